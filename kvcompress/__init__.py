@@ -1,0 +1,16 @@
+"""kvcompress: KV-cache compression policies as transformers cache layers, measured honestly."""
+
+from kvcompress.cache import KVCache, build_cache, known_policies, make_policy
+from kvcompress.data import load_text
+from kvcompress.models import load_model
+
+__version__ = "0.1.0"
+__all__ = [
+    "KVCache",
+    "build_cache",
+    "known_policies",
+    "load_model",
+    "load_text",
+    "make_policy",
+    "__version__",
+]

@@ -1,0 +1,3 @@
+from kvcompress.cli import main
+
+main()

@@ -1,0 +1,117 @@
+"""The one place that hooks attention (with ``cache.py``, the only code touching transformers internals).
+
+transformers builds one mask for all layers from the first layer's sizes and the 2D padding mask. After
+eviction, per-layer budgets or per-head lengths, that mask is wrong, so a registered attention function
+``"kvcompress"`` masks from each policy layer's own state, runs the normal SDPA (or eager) kernel, and
+hands eviction policies the scores they asked for. The matching mask function must be registered too:
+without it transformers silently drops the causal mask.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+NAME = "kvcompress"
+BACKENDS = ("sdpa", "eager")
+_STATE = threading.local()
+
+
+def new_token_validity(batch: int, q: int, device) -> torch.Tensor | None:
+    """Validity (B, q) of this forward's new tokens from the padding mask, or None when all are real."""
+    pad = getattr(_STATE, "padding", None)
+    if pad is None or pad.shape[0] != batch or pad.shape[-1] < q:
+        return None
+    new = pad[:, -q:].to(device=device, dtype=torch.bool)
+    return None if bool(new.all()) else new
+
+
+def set_current_layer(layer) -> None:
+    """Called by the cache right after ``layer.update``; the attention call that follows consumes it."""
+    _STATE.layer = layer
+
+
+def _take_layer(module):
+    layer = getattr(_STATE, "layer", None)
+    _STATE.layer = None
+    if layer is None or getattr(module, "layer_idx", layer.layer_idx) != layer.layer_idx:
+        return None
+    return layer
+
+
+def backend_of(config) -> str:
+    return getattr(config, "kvcompress_backend", "sdpa")
+
+
+def kvcompress_mask(*args, attention_mask=None, config=None, **kwargs):
+    """Mask function: remembers the 2D padding mask for the cache layers, builds the backend's usual mask."""
+    is_2d = isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2
+    _STATE.padding = attention_mask if is_2d else None
+    fn = eager_mask if backend_of(config) == "eager" else sdpa_mask
+    return fn(*args, attention_mask=attention_mask, config=config, **kwargs)
+
+
+def _expand_heads(mask: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
+    """Per-KV-head masks (B, H_kv, q, T) become per-query-head (B, H, q, T); shared masks stay (B, 1, q, T)."""
+    if mask is None or mask.shape[1] in (1, num_heads):
+        return mask
+    return mask.repeat_interleave(num_heads // mask.shape[1], dim=1)
+
+
+def eager_attention(module, query, key, value, mask, scaling):
+    """Reference attention: softmax in float32, as the models' own eager path. Shapes (B, H, q, D)."""
+    n_rep = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(n_rep, 1), value.repeat_interleave(n_rep, 1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, q, T)
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    elif mask is not None:
+        scores = scores + mask
+    elif query.shape[2] > 1:
+        q, t = query.shape[2], key.shape[2]
+        causal = torch.ones(q, t, dtype=torch.bool, device=query.device).tril(t - q)
+        scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+
+def kvcompress_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention function registered as ``"kvcompress"``: query (B, H, q, D), key/value (B, H_kv, T, D)."""
+    layer = _take_layer(module)
+    if layer is not None:
+        attention_mask = _expand_heads(layer.attention_mask(query.shape[2]), query.shape[1])
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if backend_of(module.config) == "eager":
+        out, _ = eager_attention(module, query, key, value, attention_mask, scaling)
+    else:
+        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    if layer is not None and layer.wants_scores:
+        layer.observe_attention(query, key, scaling)
+    return out, None
+
+
+def register() -> None:
+    """Register the attention and mask functions (idempotent)."""
+    AttentionInterface.register(NAME, kvcompress_attention)
+    AttentionMaskInterface.register(NAME, kvcompress_mask)
+
+
+def install(model) -> None:
+    """Route ``model``'s attention through ``"kvcompress"``, keeping its sdpa/eager kernel as the backend."""
+    register()
+    current = model.config._attn_implementation
+    if current != NAME:
+        model.config.kvcompress_backend = current if current in BACKENDS else "sdpa"
+        model.set_attn_implementation(NAME)
+
+
+def set_backend(model, backend: str) -> None:
+    """Choose the kernel behind ``"kvcompress"``: ``"sdpa"`` (default) or ``"eager"``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend={backend!r} is not supported; allowed: {list(BACKENDS)}")
+    install(model)
+    model.config.kvcompress_backend = backend

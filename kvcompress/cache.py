@@ -1,0 +1,107 @@
+"""The policy cache: a transformers ``Cache`` whose layers are kvcompress policy layers.
+
+With ``attention.py`` this is the only module that touches transformers internals.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from transformers.cache_utils import Cache
+
+from kvcompress import attention
+from kvcompress.policies.base import ModelSpec, Policy, storage_bytes
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+class KVCache(Cache):
+    """A ``Cache`` of policy layers; adds ``memory_bytes()`` and ``stats()``."""
+
+    def __init__(self, layers, policy):
+        super().__init__(layers=layers)
+        self.policy = policy
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        keys, values = layer.update(key_states, value_states)
+        attention.set_current_layer(layer)
+        return keys, values
+
+    def memory_bytes(self) -> int:
+        """Every byte the cache holds (distinct storages over all layers), metadata included."""
+        return storage_bytes(t for layer in self.layers for t in layer.tensors())
+
+    def stats(self) -> list[dict]:
+        """One dict per layer: tokens seen/stored/evicted, bytes, and policy-specific counters."""
+        return [layer.stats() for layer in self.layers]
+
+
+def known_policies() -> list[str]:
+    return sorted(p.stem for p in CONF_DIR.glob("policy/*.yaml"))
+
+
+def _import(target: str):
+    module, _, attr = target.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def policy_from_config(cfg: dict) -> Policy:
+    """Instantiate a policy from a ``{_target_: ..., field: value}`` mapping (a Hydra policy config)."""
+    cfg = dict(cfg)
+    target = cfg.pop("_target_", None)
+    if target is None:
+        raise ValueError(f"policy config needs a _target_ (got keys {sorted(cfg)})")
+    cls = _import(target)
+    if hasattr(cls, "from_config"):
+        return cls.from_config(cfg)
+    return cls(**cfg)
+
+
+def make_policy(policy, **params) -> Policy:
+    """A policy object from a name in ``conf/policy/`` (plus field overrides) or an existing object."""
+    if isinstance(policy, Policy):
+        if params:
+            import dataclasses
+
+            return dataclasses.replace(policy, **params)
+        return policy
+    if isinstance(policy, dict):
+        return policy_from_config({**policy, **params})
+    names = known_policies()
+    if policy not in names:
+        raise ValueError(f"policy={policy!r} is unknown; known policies: {names}")
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "policy" / f"{policy}.yaml"), resolve=True)
+    unknown = set(params) - set(cfg)
+    if unknown:
+        raise ValueError(
+            f"policy {policy!r} has no field(s) {sorted(unknown)}; fields: {sorted(set(cfg) - {'_target_'})}"
+        )
+    return policy_from_config({**cfg, **params})
+
+
+def model_spec(model) -> ModelSpec:
+    cfg = model.config.get_text_config(decoder=True)
+    heads = cfg.num_attention_heads
+    return ModelSpec(
+        num_layers=cfg.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        max_positions=getattr(cfg, "max_position_embeddings", 0) or 0,
+        model_type=getattr(cfg, "model_type", "unknown"),
+    )
+
+
+def build_cache(policy, model, **params) -> KVCache:
+    """Build a policy cache for ``model``: ``policy`` is a name from ``conf/policy/``, a dict config or a
+    ``Policy``; ``params`` override its fields. Routes the model's attention through kvcompress."""
+    policy = make_policy(policy, **params)
+    spec = model_spec(model)
+    policy.check(spec)
+    attention.install(model)
+    layers = [policy.layer(i, spec) for i in range(spec.num_layers)]
+    return KVCache(layers, policy)

@@ -1,0 +1,55 @@
+"""Decode-mode perplexity: the text streams through the policy cache, so every scored token saw only
+what the policy kept. ``chunk_size=1`` is exact; larger chunks let tokens inside a chunk see the whole
+chunk (flattering the policy), so the chunk size is always part of the result."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+
+class NonFiniteError(RuntimeError):
+    """NaN/Inf appeared in logits; carries the token index where it happened."""
+
+    def __init__(self, step: int, what: str = "logits"):
+        super().__init__(f"non-finite {what} at token {step}")
+        self.step = step
+
+
+@torch.inference_mode()
+def decode_perplexity(
+    model,
+    input_ids: torch.Tensor,
+    cache,
+    chunk_size: int = 1,
+    explicit_positions: bool = False,
+    progress=True,
+) -> dict:
+    """Stream ``input_ids`` (1, N) through ``cache`` in chunks; score each token from what came before.
+
+    Args:
+        explicit_positions: pass ``position_ids`` (absolute positions) instead of letting the model
+            derive them from ``cache.get_seq_length()``; both must agree for a correct policy.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+    ids = input_ids.to(model.device)
+    n = ids.shape[1]
+    nll, scored = 0.0, 0
+    steps = range(0, n - 1, chunk_size)
+    for start in tqdm(steps, desc="perplexity", disable=not progress, leave=False):
+        chunk = ids[:, start : min(start + chunk_size, n - 1)]
+        kwargs = {}
+        if explicit_positions:
+            kwargs["position_ids"] = torch.arange(start, start + chunk.shape[1], device=ids.device)[None]
+        logits = model(chunk, cache=cache, use_cache=True, **kwargs).logits.float()  # (1, c, V)
+        if not torch.isfinite(logits).all():
+            raise NonFiniteError(start)
+        targets = ids[:, start + 1 : start + 1 + chunk.shape[1]]
+        nll += F.cross_entropy(logits[0], targets[0], reduction="sum").item()
+        scored += targets.shape[1]
+    mean = nll / max(scored, 1)
+    return {"perplexity": math.exp(mean), "nll": mean, "tokens_scored": scored, "chunk_size": chunk_size}

@@ -1,0 +1,53 @@
+"""Time to first token and decode tokens/s with a hand-written greedy loop, after warm-up."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def _sync(device) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def _one_run(model, input_ids, make_cache, decode_tokens: int):
+    cache = make_cache()
+    _sync(model.device)
+    t0 = time.perf_counter()
+    logits = model(input_ids, cache=cache, use_cache=True).logits[:, -1:]
+    _sync(model.device)
+    t1 = time.perf_counter()
+    for _ in range(decode_tokens):
+        nxt = logits.argmax(-1)  # (B, 1)
+        logits = model(nxt, cache=cache, use_cache=True).logits[:, -1:]
+    _sync(model.device)
+    return t1 - t0, time.perf_counter() - t1, cache
+
+
+def measure_speed(model, input_ids, make_cache, decode_tokens: int = 32, warmup: int = 1, repeats: int = 3):
+    """Median prefill seconds, prefill and decode tokens/s over ``repeats`` runs after ``warmup`` runs.
+
+    Args:
+        input_ids: prompt (B, P) on the model's device.
+        make_cache: callable returning a fresh cache for each run.
+    """
+    prefill, decode = [], []
+    for i in range(warmup + repeats):
+        p, d, cache = _one_run(model, input_ids.to(model.device), make_cache, decode_tokens)
+        if i >= warmup:
+            prefill.append(p)
+            decode.append(d)
+    p, d = statistics.median(prefill), statistics.median(decode)
+    n = input_ids.shape[0]
+    return {
+        "prefill_s": p,
+        "prefill_tok_s": n * input_ids.shape[1] / p,
+        "decode_tok_s": n * decode_tokens / d if decode_tokens else float("nan"),
+        "decode_tokens": decode_tokens,
+        "speed_repeats": repeats,
+        "cache_bytes_after_decode": cache.memory_bytes() if hasattr(cache, "memory_bytes") else None,
+    }

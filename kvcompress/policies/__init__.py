@@ -1,0 +1,7 @@
+"""Policy families, one module each; ``conf/policy/<name>.yaml`` plus this export line is the registry."""
+
+from kvcompress.policies.base import ModelSpec, Policy, PolicyLayer
+from kvcompress.policies.full import FullPolicy
+from kvcompress.policies.sliding_window import SlidingWindowPolicy
+
+__all__ = ["ModelSpec", "Policy", "PolicyLayer", "FullPolicy", "SlidingWindowPolicy"]
