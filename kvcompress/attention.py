@@ -56,7 +56,7 @@ def kvcompress_mask(*args, attention_mask=None, config=None, **kwargs):
 
 
 def _expand_heads(mask: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
-    """Per-KV-head masks (B, H_kv, q, T) become per-query-head (B, H, q, T); shared masks stay (B, 1, q, T)."""
+    """Per-KV-head masks (B, H_kv, q, T) become (B, H, q, T); shared masks stay (B, 1, q, T)."""
     if mask is None or mask.shape[1] in (1, num_heads):
         return mask
     return mask.repeat_interleave(num_heads // mask.shape[1], dim=1)
@@ -82,8 +82,9 @@ def eager_attention(module, query, key, value, mask, scaling):
 def kvcompress_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention function registered as ``"kvcompress"``: query (B, H, q, D), key/value (B, H_kv, T, D)."""
     layer = _take_layer(module)
-    if layer is not None:
-        attention_mask = _expand_heads(layer.attention_mask(query.shape[2]), query.shape[1])
+    if layer is not None:  # the layer may narrow what this query reads (Quest) and masks from its own state
+        key, value, attention_mask = layer.attend(query, key, value)
+        attention_mask = _expand_heads(attention_mask, query.shape[1])
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     if backend_of(module.config) == "eager":
         out, _ = eager_attention(module, query, key, value, attention_mask, scaling)

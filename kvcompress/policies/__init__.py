@@ -2,6 +2,7 @@
 
 from kvcompress.policies.base import ModelSpec, Policy, PolicyLayer
 from kvcompress.policies.full import FullPolicy
+from kvcompress.policies.schedule import SchedulePolicy
 from kvcompress.policies.sliding_window import SlidingWindowPolicy
 
-__all__ = ["ModelSpec", "Policy", "PolicyLayer", "FullPolicy", "SlidingWindowPolicy"]
+__all__ = ["ModelSpec", "Policy", "PolicyLayer", "FullPolicy", "SchedulePolicy", "SlidingWindowPolicy"]

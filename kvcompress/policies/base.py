@@ -175,9 +175,17 @@ class PolicyLayer(CacheLayerMixin):
         }
 
     # -- attention ----------------------------------------------------------------------------
+    def attend(self, query, key, value):
+        """What this step's query (B, H, q, D) reads: keys/values (B, H_kv, T, D) and a mask."""
+        return key, value, self.attention_mask(query.shape[2])
+
+    def observe_attention(self, query, key, scaling: float) -> None:
+        """Called after attention when ``wants_scores``; computes only the scores the policy needs."""
+
     def attention_mask(self, q: int) -> torch.Tensor | None:
         """Boolean mask (B, 1 or H_kv, q, T) for what ``update`` returned, or None for plain causal."""
         total, valid = self._view
+        self._view = (total, None) if valid is not None else self._view  # drop the transient reference
         if valid is None and (q == 1 or q == total):
             return None
         kpos = torch.arange(total, device=self.device) - (total - q)

@@ -1,0 +1,34 @@
+# kvcompress: `make run` (main experiment on the embedded default) and `make test` on a fresh machine.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch; set TORCH="torch" (or a CUDA index) on a GPU machine.
+TORCH ?= torch==2.13.0
+RUN_DIR ?= multirun/make-run
+
+.PHONY: install run test test-fast lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(BIN)/kvcompress -m policy=full,sliding_window task.max_tokens=1024 hydra.sweep.dir=$(RUN_DIR)
+	$(BIN)/python scripts/collect.py $(RUN_DIR)
+
+test: install
+	$(BIN)/python -m pytest tests
+
+test-fast: install
+	$(BIN)/python -m pytest tests -m "not integration and not slow"
+
+lint: install
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+clean:
+	rm -rf outputs multirun .pytest_cache

@@ -1,0 +1,76 @@
+"""The two foundation policies: exact byte counts, real eviction, sinks chosen per row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import stream_logits
+
+from kvcompress import build_cache, make_policy
+from kvcompress.policies.sliding_window import SlidingWindowPolicy
+
+
+def test_full_memory_is_exactly_the_uncompressed_kv(llama, tokens):
+    cache = build_cache("full", llama)
+    stream_logits(llama, tokens, cache, chunk=8)
+    cfg = llama.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    expected = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * tokens.shape[1] * head_dim * 4
+    assert cache.memory_bytes() == expected  # GQA: no repeat_kv before caching
+
+
+def test_window_keeps_sinks_and_recent_and_frees_the_rest(llama, tokens):
+    cache = build_cache("sliding_window", llama, sink_tokens=3, window=10)
+    seen_keys = []
+    layer0 = cache.layers[0]
+    orig = layer0.update
+
+    def spy(k, v, *a, **kw):
+        seen_keys.append(k.clone())
+        return orig(k, v, *a, **kw)
+
+    layer0.update = spy
+    stream_logits(llama, tokens, cache, chunk=1)
+    all_keys = torch.cat(seen_keys, dim=-2)  # (1, H_kv, 48, D)
+    expected = torch.cat([all_keys[:, :, :3], all_keys[:, :, -10:]], dim=-2)
+    torch.testing.assert_close(layer0.keys, expected)
+    assert layer0.keys.untyped_storage().nbytes() == layer0.keys.numel() * 4  # evicted storage released
+    stats = cache.stats()[0]
+    assert (stats["tokens_stored"], stats["tokens_evicted"], stats["tokens_seen"]) == (13, 35, 48)
+
+
+def test_window_ratio_matches_budget(llama, tokens):
+    full, window = build_cache("full", llama), build_cache("sliding_window", llama, sink_tokens=2, window=10)
+    stream_logits(llama, tokens, full, chunk=4)
+    stream_logits(llama, tokens, window, chunk=4)
+    assert window.memory_bytes() == full.memory_bytes() * 12 // 48
+
+
+def test_window_sinks_are_first_real_tokens_of_each_row(llama):
+    ids = torch.randint(2, 95, (2, 20))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    cache = build_cache("sliding_window", llama, sink_tokens=2, window=4)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() derives them
+    with torch.inference_mode():
+        llama(ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+    layer = cache.layers[0]
+    assert layer.keys.shape[-2] == 6 and layer.valid.all()
+    # row 1's sinks are its tokens 5 and 6 (the first real ones): recompute their keys unpadded
+    ref = build_cache("full", llama)
+    with torch.inference_mode():
+        llama(ids[1:, 5:], cache=ref, use_cache=True)
+    torch.testing.assert_close(layer.keys[1, :, :2], ref.layers[0].keys[0, :, :2], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("field,value", [("window", 0), ("sink_tokens", -1)])
+def test_window_rejects_bad_fields(field, value):
+    with pytest.raises(ValueError, match=f"sliding_window.{field}"):
+        SlidingWindowPolicy(**{field: value})
+
+
+def test_unknown_policy_lists_known_ones(llama):
+    with pytest.raises(ValueError, match="known policies: .*sliding_window"):
+        build_cache("nope", llama)
+    with pytest.raises(ValueError, match="no field"):
+        make_policy("sliding_window", windw=3)

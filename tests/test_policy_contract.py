@@ -1,0 +1,99 @@
+"""One contract for every policy in conf/policy/ (a new policy is picked up by itself)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import POLICY_NAMES, SMALL, make_tiny
+from helpers import held_tensors, stream_logits
+from transformers import DynamicCache
+
+from kvcompress import build_cache, make_policy
+from kvcompress.attention import set_backend
+from kvcompress.policies.base import storage_bytes
+
+
+def small(name):
+    return make_policy(name, **SMALL.get(name, {}))
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_update_returns_model_shapes_and_dtype(name, tiny_model, tokens):
+    cache = build_cache(small(name), tiny_model)
+    seen = []
+    for layer in cache.layers:
+        orig = layer.update
+
+        def spy(k, v, *a, _orig=orig, **kw):
+            keys, values = _orig(k, v, *a, **kw)
+            seen.append((k, keys, values))
+            return keys, values
+
+        layer.update = spy
+    stream_logits(tiny_model, tokens, cache, chunk=16)
+    for new, keys, values in seen:
+        assert keys.dtype == values.dtype == new.dtype
+        assert keys.shape[:2] == new.shape[:2] and keys.shape[-1] == new.shape[-1]  # (B, H_kv, T, D)
+        assert keys.shape[-2] >= new.shape[-2]
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_seq_length_is_absolute_position(name, tiny_model, tokens):
+    cache = build_cache(small(name), tiny_model)
+    stream_logits(tiny_model, tokens[:, :30], cache, chunk=7)
+    assert cache.get_seq_length() == 30
+    assert all(layer.get_seq_length() == 30 for layer in cache.layers)
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_chunked_prefill_same_under_sdpa_and_eager(name, tokens):
+    logits = {}
+    for backend in ("sdpa", "eager"):
+        model = make_tiny("llama")
+        set_backend(model, backend)
+        logits[backend] = stream_logits(model, tokens, build_cache(small(name), model), chunk=10)
+    torch.testing.assert_close(logits["sdpa"], logits["eager"], atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("chunk", [1, 9, 48])
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_covering_budget_reproduces_dynamic_cache(name, chunk, tiny_model, tokens):
+    ref = stream_logits(tiny_model, tokens, DynamicCache(config=tiny_model.config), chunk=chunk)
+    policy = small(name).covering(tokens.shape[1])
+    got = stream_logits(tiny_model, tokens, build_cache(policy, tiny_model), chunk=chunk)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_memory_bytes_counts_every_tensor_held(name, tiny_model, tokens):
+    cache = build_cache(small(name), tiny_model)
+    stream_logits(tiny_model, tokens, cache, chunk=5)
+    held = [t for layer in cache.layers for t in held_tensors(layer)]
+    assert cache.memory_bytes() == storage_bytes(held) > 0
+    full = build_cache("full", tiny_model)
+    stream_logits(tiny_model, tokens, full, chunk=5)
+    assert cache.memory_bytes() <= full.memory_bytes() * 1.05
+
+
+def _generate(model, ids, mask, name):
+    cache = build_cache(small(name), model)
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=6, do_sample=False, pad_token_id=0
+    )
+    return out[:, ids.shape[1] :]
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_left_padded_batch_matches_unpadded_rows(name, tiny_model):
+    g = torch.Generator().manual_seed(3)
+    long, short = torch.randint(2, 95, (1, 30), generator=g), torch.randint(2, 95, (1, 22), generator=g)
+    ids = torch.cat([long, torch.cat([torch.zeros(1, 8, dtype=torch.long), short], 1)])
+    mask = torch.ones_like(ids)
+    mask[1, :8] = 0
+    try:
+        batched = _generate(tiny_model, ids, mask, name)
+    except ValueError as err:  # a policy that cannot handle padding must say so clearly
+        assert "padding" in str(err)
+        return
+    assert torch.equal(batched[0], _generate(tiny_model, long, None, name)[0])
+    assert torch.equal(batched[1], _generate(tiny_model, short, None, name)[0])
