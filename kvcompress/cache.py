@@ -12,6 +12,7 @@ from transformers.cache_utils import Cache
 
 from kvcompress import attention
 from kvcompress.policies.base import ModelSpec, Policy, storage_bytes
+from kvcompress.profiling import TIMER
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -25,7 +26,8 @@ class KVCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
-        keys, values = layer.update(key_states, value_states)
+        with TIMER.measure():
+            keys, values = layer.update(key_states, value_states)
         attention.set_current_layer(layer)
         return keys, values
 
@@ -105,3 +107,39 @@ def build_cache(policy, model, **params) -> KVCache:
     attention.install(model)
     layers = [policy.layer(i, spec) for i in range(spec.num_layers)]
     return KVCache(layers, policy)
+
+
+PEERS = ("dynamic", "hf_sliding_window", "hf_quantized_fp8")
+
+
+def peer_cache(name: str, model, window: int = 256):
+    """transformers' own caches, for side-by-side benchmarks: ``dynamic`` (DynamicCache),
+    ``hf_sliding_window`` (DynamicSlidingWindowLayer per layer) and ``hf_quantized_fp8`` (QuantizedCache)."""
+    from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer, QuantizedCache
+
+    n = model_spec(model).num_layers
+    if name == "dynamic":
+        return DynamicCache(config=model.config)
+    if name == "hf_sliding_window":
+        return Cache(layers=[DynamicSlidingWindowLayer(sliding_window=window) for _ in range(n)])
+    if name == "hf_quantized_fp8":
+        return QuantizedCache("fp8", model.config)
+    raise ValueError(f"peer cache {name!r} is unknown; known: {list(PEERS)}")
+
+
+def held_bytes(cache) -> int:
+    """Bytes of every tensor reachable from a cache's layers (works for transformers' caches too)."""
+    if hasattr(cache, "memory_bytes"):
+        return cache.memory_bytes()
+    return storage_bytes(t for layer in cache.layers for t in _tensors_of(layer))
+
+
+def _tensors_of(obj, depth: int = 0):
+    import torch
+
+    values = vars(obj).values() if hasattr(obj, "__dict__") else obj
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)) and depth < 3:
+            yield from _tensors_of(v, depth + 1)

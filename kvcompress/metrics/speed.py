@@ -18,7 +18,7 @@ def _one_run(model, input_ids, make_cache, decode_tokens: int):
     cache = make_cache()
     _sync(model.device)
     t0 = time.perf_counter()
-    logits = model(input_ids, cache=cache, use_cache=True).logits[:, -1:]
+    logits = model(input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits
     _sync(model.device)
     t1 = time.perf_counter()
     for _ in range(decode_tokens):

@@ -6,6 +6,7 @@ import torch
 
 from kvcompress.cache import build_cache
 from kvcompress.data import load_text
+from kvcompress.guard import check_fits
 from kvcompress.metrics import decode_perplexity, measure_speed, peak_rss_bytes
 from kvcompress.metrics.memory import peak_device_bytes
 
@@ -29,6 +30,7 @@ def run(model, tokenizer, policy, cfg) -> dict:
     """Perplexity (decode mode), bytes vs ``full`` on the same tokens, prefill/decode speed."""
     spec_max = getattr(model.config, "max_position_embeddings", 0)
     ids = text_tokens(tokenizer, cfg.text, cfg.max_tokens, cfg.get("offset_tokens", 0), spec_max)
+    check_fits(model, cfg.max_tokens, chunk=cfg.chunk_size)
     cache = build_cache(policy, model)
     metrics = decode_perplexity(
         model, ids, cache, chunk_size=cfg.chunk_size, progress=cfg.get("progress", True)
@@ -37,7 +39,7 @@ def run(model, tokenizer, policy, cfg) -> dict:
     metrics["tokens_stored_mean"] = sum(s["tokens_stored"] for s in cache.stats()) / len(cache.layers)
     with torch.inference_mode():  # the full cache over the same tokens, for the ratio
         baseline = build_cache("full", model)
-        model(ids[:, :-1].to(model.device), cache=baseline, use_cache=True)
+        model(ids[:, :-1].to(model.device), cache=baseline, use_cache=True, logits_to_keep=1)
     metrics["full_cache_bytes"] = baseline.memory_bytes()
     metrics["cache_ratio"] = metrics["cache_bytes"] / metrics["full_cache_bytes"]
     del cache, baseline

@@ -1,0 +1,114 @@
+"""Benchmark every policy (and transformers' own caches) across context lengths, interleaved in one
+process after warm-up: time to first token, decode tokens/s, per-step policy overhead, cache bytes.
+
+Absolute times drift on shared machines, so the table reports ratios to ``full`` measured in the
+same run (medians over ``repeats``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+from tqdm.auto import tqdm
+
+from kvcompress import attention
+from kvcompress.cache import PEERS, build_cache, held_bytes, known_policies, make_policy, peer_cache
+from kvcompress.guard import check_fits
+from kvcompress.metrics.memory import peak_rss_bytes
+from kvcompress.metrics.speed import _sync
+from kvcompress.profiling import timing
+from kvcompress.report import markdown_table
+from kvcompress.tasks.perplexity import text_tokens
+
+BENCH_COLUMNS = [
+    "cache", "context", "ttft_s", "decode_tok_s", "policy_overhead", "cache_bytes",
+    "ttft_vs_full", "decode_vs_full", "bytes_vs_full",
+]  # fmt: skip
+
+
+def _contenders(cfg) -> dict:
+    """name -> (make_cache, uses_kvcompress_attention)."""
+    names = list(cfg.get("policies") or known_policies())
+    overrides = cfg.get("policy_overrides") or {}
+    out = {name: make_policy(name, **dict(overrides.get(name, {}))) for name in names}
+    if "full" not in out:
+        out = {"full": make_policy("full"), **out}
+    for peer in cfg.get("peers") or []:
+        if peer not in PEERS:
+            raise ValueError(f"task.peers: {peer!r} is unknown; known: {list(PEERS)}")
+        out[peer] = peer
+    return out
+
+
+def _make(model, contender, window: int):
+    if isinstance(contender, str):
+        model.set_attn_implementation(model.config.kvcompress_backend)
+        return peer_cache(contender, model, window=window)
+    attention.install(model)
+    return build_cache(contender, model)
+
+
+@torch.inference_mode()
+def _measure(model, ids, cache, decode_tokens: int) -> dict:
+    """One prefill + ``decode_tokens`` greedy steps; seconds and policy seconds during decode."""
+    _sync(model.device)
+    t0 = time.perf_counter()
+    logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+    _sync(model.device)
+    ttft = time.perf_counter() - t0
+    with timing() as timer:
+        t1 = time.perf_counter()
+        for _ in range(decode_tokens):
+            logits = model(logits.argmax(-1), cache=cache, use_cache=True).logits[:, -1:]
+        _sync(model.device)
+        decode = time.perf_counter() - t1
+    return {"ttft_s": ttft, "decode_s": decode, "policy_s": timer.seconds, "bytes": held_bytes(cache)}
+
+
+def _summarise(samples: dict, decode_tokens: int) -> list[dict]:
+    rows = []
+    for (name, length), runs in samples.items():
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        rows.append(
+            {
+                "cache": name,
+                "context": length,
+                "ttft_s": med["ttft_s"],
+                "decode_tok_s": decode_tokens / med["decode_s"],
+                "policy_overhead": med["policy_s"] / med["decode_s"],
+                "cache_bytes": int(med["bytes"]),
+            }
+        )
+    for row in rows:
+        ref = next(r for r in rows if r["cache"] == "full" and r["context"] == row["context"])
+        row["ttft_vs_full"] = row["ttft_s"] / ref["ttft_s"]
+        row["decode_vs_full"] = row["decode_tok_s"] / ref["decode_tok_s"]
+        row["bytes_vs_full"] = row["cache_bytes"] / ref["cache_bytes"]
+    return sorted(rows, key=lambda r: (r["context"], r["cache"] != "full", r["cache"]))
+
+
+def run(model, tokenizer, policy, cfg) -> dict:
+    """Interleaved benchmark over ``cfg.lengths`` x contenders; returns rows and the process peak RSS."""
+    attention.install(model)
+    contenders = _contenders(cfg)
+    lengths = list(cfg.lengths)
+    ids = text_tokens(
+        tokenizer, cfg.text, max(lengths), 0, getattr(model.config, "max_position_embeddings", 0)
+    )
+    ids = ids.to(model.device)
+    check_fits(model, max(lengths))
+    samples = defaultdict(list)
+    rounds = [(r, n, c) for r in range(cfg.warmup + cfg.repeats) for n in lengths for c in contenders]
+    for rep, length, name in tqdm(rounds, desc="bench", disable=not cfg.get("progress", True)):
+        cache = _make(model, contenders[name], cfg.get("peer_window", 256))
+        result = _measure(model, ids[:, :length], cache, cfg.decode_tokens)
+        if rep >= cfg.warmup:
+            samples[(name, length)].append(result)
+        del cache
+    attention.install(model)
+    rows = _summarise(samples, cfg.decode_tokens)
+    print(markdown_table(rows, BENCH_COLUMNS))
+    return {"rows": rows, "peak_rss_bytes": peak_rss_bytes(), "decode_tokens": cfg.decode_tokens}
