@@ -27,6 +27,9 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest tests -m "not integration and not slow"
 
+bench: install
+	$(BIN)/kvcompress bench hydra.run.dir=outputs/bench
+
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import hydra
@@ -18,5 +19,11 @@ def _main(cfg: DictConfig) -> None:
     run_experiment(cfg, Path(HydraConfig.get().runtime.output_dir))
 
 
+SUBCOMMANDS = {"bench": "task=bench"}
+
+
 def main() -> None:
+    """``kvcompress [bench] [overrides...]``: a subcommand is shorthand for its task override."""
+    if len(sys.argv) > 1 and sys.argv[1] in SUBCOMMANDS:
+        sys.argv[1] = SUBCOMMANDS[sys.argv[1]]
     _main()
