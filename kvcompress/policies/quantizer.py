@@ -29,25 +29,32 @@ class QuantizedTensor(NamedTuple):
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack uint8 codes (..., D) below ``2**bits`` into (..., D * bits / 8) bytes, low bits first."""
+    """Pack uint8 codes (..., D) below ``2**bits`` into (..., D * bits / 8) bytes.
+
+    Block layout: bits ``[bits * k, bits * (k + 1))`` of byte ``j`` hold channel ``k * D * bits / 8 + j``, so
+    each bit plane unpacks into one contiguous block of channels (faster to read than interleaved codes).
+    """
     per = 8 // bits
     if per == 1:
         return codes
-    parts = codes.reshape(*codes.shape[:-1], -1, per)  # (..., D / per, per)
-    out = parts[..., 0].clone()
+    blocks = codes.chunk(per, dim=-1)  # per x (..., D / per)
+    out = blocks[0].clone(memory_format=torch.contiguous_format)
     for k in range(1, per):
-        out |= parts[..., k] << (bits * k)
+        out |= blocks[k] << (bits * k)
     return out
+
+
+def _planes(packed: torch.Tensor, bits: int):
+    """The ``8 / bits`` bit planes of ``packed`` (..., D / per) as uint8 codes, lowest first."""
+    per, mask = 8 // bits, (1 << bits) - 1
+    for k in range(per):
+        plane = packed >> (bits * k) if k else packed
+        yield plane & mask if k < per - 1 else plane
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of ``pack``: bytes (..., D * bits / 8) to uint8 codes (..., D)."""
-    per = 8 // bits
-    if per == 1:
-        return packed
-    mask = (1 << bits) - 1
-    parts = [packed & mask] + [(packed >> (bits * k)) & mask for k in range(1, per)]
-    return torch.stack(parts, dim=-1).flatten(-2)
+    return packed if bits == 8 else torch.cat(list(_planes(packed, bits)), dim=-1)
 
 
 def _round(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
@@ -64,8 +71,8 @@ def _grouped(x: torch.Tensor, group: int, axis: str) -> tuple[torch.Tensor, int]
     """A view of x (B, H, T, D) with groups on their own dim, and that dim's index."""
     b, h, t, d = x.shape
     if axis == "channel":
-        return x.reshape(b, h, t // group, group, d), 3  # (B, H, T/G, G, D)
-    return x.reshape(b, h, t, d // group, group), 4  # (B, H, T, D/G, G)
+        return x.view(b, h, t // group, group, d), 3  # (B, H, T/G, G, D)
+    return x.view(b, h, t, d // group, group), 4  # (B, H, T, D/G, G)
 
 
 def _min_max(g: torch.Tensor, dim: int, valid: torch.Tensor | None):
@@ -86,7 +93,7 @@ def quantize(x, bits: int, group: int, axis: str, scale_dtype: torch.dtype, vali
     scales on a float32 model), so nothing becomes inf or NaN.
     """
     levels = (1 << bits) - 1
-    x32 = x.float()
+    x32 = x.float().contiguous()
     if scale_dtype == torch.float16:
         limit = torch.finfo(torch.float16).max
         x32 = x32.clamp(-limit, limit)
@@ -100,18 +107,23 @@ def quantize(x, bits: int, group: int, axis: str, scale_dtype: torch.dtype, vali
 
 
 def dequantize(q: QuantizedTensor, bits: int, group: int, axis: str, out: torch.Tensor) -> torch.Tensor:
-    """Write the reconstruction of ``q`` into ``out`` (B, H, T, D), which may be a slice; return ``out``."""
-    codes, dim = _grouped(unpack(q.codes, bits), group, axis)
-    b, h, t, d = out.shape
-    target = out.view(b, h, t // group, group, d) if dim == 3 else out.view(b, h, t, d // group, group)
-    if out.dtype != torch.float16:
-        scale, zero = q.scale.unsqueeze(dim).to(out.dtype), q.zero.unsqueeze(dim).to(out.dtype)
-        torch.addcmul(zero, codes.to(out.dtype), scale, out=target)
-        return out
-    # float16: zero + code * scale can pass float16's largest value, so compute in float32 and saturate
-    full = torch.addcmul(q.zero.unsqueeze(dim).float(), codes.float(), q.scale.unsqueeze(dim).float())
-    limit = torch.finfo(torch.float16).max
-    target.copy_(full.clamp_(-limit, limit))
+    """Write the reconstruction of ``q`` into ``out`` (B, H, T, D), which may be a slice; return ``out``.
+
+    Each bit plane is converted straight into its block of ``out``, then scaled and shifted in place:
+    no unpacked code tensor, no temporary float tensor (float16 aside, see below).
+    """
+    # float16: zero + code * scale can pass float16's largest value, so work in float32 and saturate
+    work = (
+        torch.empty(out.shape, dtype=torch.float32, device=out.device) if out.dtype == torch.float16 else out
+    )
+    width = out.shape[-1] * bits // 8
+    for k, plane in enumerate(_planes(q.codes, bits)):
+        work[..., k * width : (k + 1) * width].copy_(plane)
+    target, dim = _grouped(work, group, axis)
+    target.mul_(q.scale.unsqueeze(dim).to(work.dtype)).add_(q.zero.unsqueeze(dim).to(work.dtype))
+    if work is not out:
+        limit = torch.finfo(torch.float16).max
+        out.copy_(work.clamp_(-limit, limit))
     return out
 
 
