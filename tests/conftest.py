@@ -11,10 +11,23 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 POLICY_NAMES = sorted(p.stem for p in (CONF_DIR / "policy").glob("*.yaml"))
 
+_QUANT = "kvcompress.policies.QuantPolicy"
+
 # Budgets small enough that a 48-token test sequence is really compressed; policies not listed use
 # their defaults. A new policy adds its line here.
 SMALL = {
     "sliding_window": {"sink_tokens": 2, "window": 12},
+    "quant": {"bits": 4, "group_size": 4, "residual_length": 8},
+    "mixed_precision": {
+        "default": {"_target_": _QUANT, "bits": 8, "group_size": 4, "residual_length": 8},
+        "rules": [
+            {"layers": "0", "policy": {"_target_": "kvcompress.policies.FullPolicy"}},
+            {
+                "layers": "-1:",
+                "policy": {"_target_": _QUANT, "bits": 2, "group_size": 4, "residual_length": 8},
+            },
+        ],
+    },
     "window_schedule": {
         "default": {"_target_": "kvcompress.policies.SlidingWindowPolicy", "sink_tokens": 2, "window": 12}
     },

@@ -55,3 +55,17 @@ def test_cli_writes_results_record(tmp_path):
     assert metrics["cache_ratio"] == pytest.approx(32 / 95, rel=1e-6)
     assert record["environment"]["transformers"].startswith("5.")
     assert "| sliding_window |" in proc.stdout
+
+
+@pytest.mark.parametrize("bits,tolerance", [(8, 1.005), (4, 1.03)])
+def test_quant_perplexity_near_full_with_packed_bytes(real_model, essay_ids, bits, tolerance):
+    model, _ = real_model
+    full = decode_perplexity(model, essay_ids, build_cache("full", model), chunk_size=4, progress=False)
+    cache = build_cache("quant", model, bits=bits, group_size=32, residual_length=32)
+    got = decode_perplexity(model, essay_ids, cache, chunk_size=4, progress=False)
+    assert got["perplexity"] < full["perplexity"] * tolerance
+    quantized, residual = (191 - 32) // 32 * 32, 191 - (191 - 32) // 32 * 32  # 128 and 63 tokens
+    per_token = 2 * 3 * 64  # K and V, 3 KV heads, head_dim 64
+    expected = 30 * per_token * (quantized * (bits + 1) // 8 + residual * 4)  # codes + fp16 scale/zero
+    assert cache.memory_bytes() == expected
+    assert {s["bits_per_quantized_element"] for s in cache.stats()} == {bits + 1.0}

@@ -2,7 +2,16 @@
 
 from kvcompress.policies.base import ModelSpec, Policy, PolicyLayer
 from kvcompress.policies.full import FullPolicy
+from kvcompress.policies.quant import QuantPolicy
 from kvcompress.policies.schedule import SchedulePolicy
 from kvcompress.policies.sliding_window import SlidingWindowPolicy
 
-__all__ = ["ModelSpec", "Policy", "PolicyLayer", "FullPolicy", "SchedulePolicy", "SlidingWindowPolicy"]
+__all__ = [
+    "ModelSpec",
+    "Policy",
+    "PolicyLayer",
+    "FullPolicy",
+    "QuantPolicy",
+    "SchedulePolicy",
+    "SlidingWindowPolicy",
+]
