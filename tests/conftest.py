@@ -15,6 +15,10 @@ POLICY_NAMES = sorted(p.stem for p in (CONF_DIR / "policy").glob("*.yaml"))
 # their defaults. A new policy adds its line here.
 SMALL = {
     "sliding_window": {"sink_tokens": 2, "window": 12},
+    "h2o": {"budget": 12, "compression_ratio": None, "recent": 4, "window": 6},
+    "snapkv": {"budget": 12, "compression_ratio": None, "window": 4, "kernel_size": 3, "slack": 3},
+    "tova": {"budget": 12, "compression_ratio": None},
+    "pyramidkv": {"budget": 12, "compression_ratio": None, "beta": 4},
     "window_schedule": {
         "default": {"_target_": "kvcompress.policies.SlidingWindowPolicy", "sink_tokens": 2, "window": 12}
     },
