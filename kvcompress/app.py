@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import random
 import time
 import traceback
@@ -50,7 +51,8 @@ def run_experiment(cfg: DictConfig, out_dir: Path) -> dict:
 
             set_backend(model, cfg.model.attn_backend)
         record["environment"] = environment(model)
-        record["metrics"] = task(model, tok, policy, cfg.task)
+        extra = {"out_dir": Path(out_dir)} if "out_dir" in inspect.signature(task).parameters else {}
+        record["metrics"] = task(model, tok, policy, cfg.task, **extra)
         record["status"] = "ok"
     except Exception as err:
         record.update(status="failed", error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc())

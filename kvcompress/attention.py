@@ -79,6 +79,34 @@ def eager_attention(module, query, key, value, mask, scaling):
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
 
 
+def window_scores(query, key, scaling: float, valid=None) -> torch.Tensor:
+    """Attention probabilities of a step's last ``w`` queries, averaged over each KV group's query heads.
+
+    Costs O(w x T) (never T x T) and is what score-based eviction (H2O, SnapKV, TOVA, block scoring) reads.
+
+    Args:
+        query: (B, H, w, D) the last ``w`` queries of the step; the last one sits at key position T - 1.
+        key: (B, H_kv, T, D) the keys this step's attention read (after RoPE).
+        scaling: the softmax scale the model uses.
+        valid: (B, 1 or H_kv, T) bool, False for padding keys, or None.
+
+    Returns:
+        (B, H_kv, w, T) float32 probabilities: causal within the window, padding keys exactly 0, and
+        all-zero rows for queries that are themselves padding.
+    """
+    b, h, w, d = query.shape
+    h_kv, t = key.shape[1], key.shape[2]
+    q = query.reshape(b, h_kv, h // h_kv, w, d).float()  # (B, H_kv, g, w, D): query heads of each group
+    logits = torch.matmul(q, key.float().unsqueeze(2).transpose(-1, -2)) * scaling  # (B, H_kv, g, w, T)
+    kpos = torch.arange(t, device=key.device)
+    allowed = kpos[None, :] <= (t - w + torch.arange(w, device=key.device))[:, None]  # (w, T) causal
+    if valid is not None:
+        allowed = allowed & valid[:, :, None, None, :]  # (B, h, 1, w, T)
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # fully masked rows (padding queries) become 0
+    return probs.mean(dim=2)
+
+
 def kvcompress_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention function registered as ``"kvcompress"``: query (B, H, q, D), key/value (B, H_kv, T, D)."""
     layer = _take_layer(module)

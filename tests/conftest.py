@@ -28,6 +28,10 @@ SMALL = {
             },
         ],
     },
+    "h2o": {"budget": 12, "compression_ratio": None, "recent": 4, "window": 6},
+    "snapkv": {"budget": 12, "compression_ratio": None, "window": 4, "kernel_size": 3, "slack": 3},
+    "tova": {"budget": 12, "compression_ratio": None},
+    "pyramidkv": {"budget": 12, "compression_ratio": None, "beta": 4},
     "window_schedule": {
         "default": {"_target_": "kvcompress.policies.SlidingWindowPolicy", "sink_tokens": 2, "window": 12}
     },
@@ -82,3 +86,23 @@ def real_model():
     from kvcompress import load_model
 
     return load_model("smollm2-135m", device="cpu")
+
+
+def make_char_tokenizer():
+    """A character-level tokenizer matching the tiny models' 96-token vocabulary, with a chat template."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = ["<pad>", "\n"] + [chr(c) for c in range(32, 126)]  # 96 tokens; id 95 ('}') is the tiny eos
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[], unk_token="<pad>"))
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="}")
+    fast.chat_template = (
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+    )
+    return fast
+
+
+@pytest.fixture(scope="session")
+def char_tokenizer():
+    return make_char_tokenizer()

@@ -1,10 +1,15 @@
 """Policy families, one module each; ``conf/policy/<name>.yaml`` plus this export line is the registry."""
 
 from kvcompress.policies.base import ModelSpec, Policy, PolicyLayer
+from kvcompress.policies.eviction import EvictionPolicy
 from kvcompress.policies.full import FullPolicy
+from kvcompress.policies.h2o import H2OPolicy
+from kvcompress.policies.pyramid import PyramidKVPolicy
 from kvcompress.policies.quant import QuantPolicy
 from kvcompress.policies.schedule import SchedulePolicy
 from kvcompress.policies.sliding_window import SlidingWindowPolicy
+from kvcompress.policies.snapkv import SnapKVPolicy
+from kvcompress.policies.tova import TOVAPolicy
 
 __all__ = [
     "ModelSpec",
@@ -14,4 +19,9 @@ __all__ = [
     "QuantPolicy",
     "SchedulePolicy",
     "SlidingWindowPolicy",
+    "EvictionPolicy",
+    "H2OPolicy",
+    "PyramidKVPolicy",
+    "SnapKVPolicy",
+    "TOVAPolicy",
 ]

@@ -153,9 +153,9 @@ class PolicyLayer(CacheLayerMixin):
         before = self.stored_length()
         idx = idx.sort(dim=-1).values
         self.keys, self.values = _gather(self.keys, idx), _gather(self.values, idx)
-        if self.valid is not None:
-            vidx = idx if self.valid.shape[1] == idx.shape[1] else idx.expand(-1, self.valid.shape[1], -1)
-            self.valid = self.valid.gather(-1, vidx)
+        if self.valid is not None:  # shared (B, 1, T) validity turns per head when heads differ
+            h = max(self.valid.shape[1], idx.shape[1])
+            self.valid = self.valid.expand(-1, h, -1).gather(-1, idx.expand(-1, h, -1))
         self.evicted += before - idx.shape[-1]
 
     def tensors(self) -> list[torch.Tensor]:

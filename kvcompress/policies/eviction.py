@@ -1,0 +1,100 @@
+"""Shared machinery of score-based eviction (H2O, SnapKV, TOVA): budgets, per-row/per-head top-k.
+
+A policy keeps either a fixed ``budget`` of tokens per layer and KV head, or removes a fraction
+``compression_ratio`` of the tokens seen (kvpress's definition). Its layer turns attention scores into
+a per-token priority and keeps the top ``k`` per batch row and head with ``PolicyLayer.keep``, which
+copies, so evicted tokens are freed. Every head keeps the same count, so no ragged masks are needed;
+padding slots (``PolicyLayer.valid``) are never kept over real tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from kvcompress.policies.base import Policy, PolicyLayer
+
+_BIG = 1e12  # priority offset: protected tokens above every score, padding below every score
+
+
+@dataclass
+class EvictionPolicy(Policy):
+    """Base of eviction policies: exactly one of ``budget`` (tokens kept per layer and head) or
+    ``compression_ratio`` (fraction of the tokens seen that is removed, in [0, 1))."""
+
+    budget: int | None = None
+    compression_ratio: float | None = None
+
+    def __post_init__(self):
+        if (self.budget is None) == (self.compression_ratio is None):
+            raise ValueError(
+                f"{self.name}: set exactly one of budget (tokens kept per layer and head) or "
+                f"compression_ratio (fraction removed); got budget={self.budget}, "
+                f"compression_ratio={self.compression_ratio}"
+            )
+        if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, int)):
+            raise ValueError(f"{self.name}.budget={self.budget!r} must be an integer >= 1")
+        if self.budget is not None and self.budget < 1:
+            raise ValueError(f"{self.name}.budget={self.budget} must be >= 1")
+        if self.compression_ratio is not None and not 0.0 <= self.compression_ratio < 1.0:
+            raise ValueError(f"{self.name}.compression_ratio={self.compression_ratio} must be in [0, 1)")
+
+    def keep_count(self, n_tokens: int) -> int:
+        """Tokens a layer keeps per head after seeing ``n_tokens`` real tokens (at least 1)."""
+        if self.budget is not None:
+            return self.budget
+        return max(1, int(n_tokens * (1.0 - self.compression_ratio) + 1e-9))
+
+    @property
+    def reserved(self) -> int:
+        """Tokens every layer keeps whatever the scores (e.g. SnapKV's observation window)."""
+        return 0
+
+    def covering(self, n_tokens: int) -> EvictionPolicy:
+        if self.budget is not None:
+            return dataclasses.replace(self, budget=max(self.budget, n_tokens))
+        return dataclasses.replace(self, compression_ratio=0.0)
+
+
+class EvictionLayer(PolicyLayer):
+    """A dense layer that evicts from attention scores (``observe_attention``) instead of ``compress``."""
+
+    wants_scores = True
+
+    def __init__(self, policy, layer_idx, spec):
+        super().__init__(policy, layer_idx, spec)
+        self.padding_seen = 0  # padding tokens consumed by the least padded row
+
+    def append(self, key_states, value_states, new_valid):
+        if new_valid is not None:
+            self.padding_seen += int((~new_valid).sum(-1).min())
+        return super().append(key_states, value_states, new_valid)
+
+    def reset(self) -> None:
+        super().reset()
+        self.padding_seen = 0
+
+    def target(self) -> int:
+        """Tokens to keep now: the budget, or a fraction of the longest row's real tokens."""
+        return self.policy.keep_count(self.seen - self.padding_seen)
+
+    def select(self, scores: torch.Tensor, k: int, protect: int = 0) -> torch.Tensor:
+        """Keep the ``k`` best tokens of every row and head; returns the kept indices (B, h, k), sorted.
+
+        Args:
+            scores: (B, 1 or H_kv, T) priority of each stored token (higher is kept).
+            protect: the last ``protect`` positions are kept first (recent / observation window).
+        """
+        t = scores.shape[-1]
+        pos = torch.arange(t, device=scores.device, dtype=torch.float64)
+        prio = torch.where(pos >= t - protect, _BIG + pos, scores.double())  # newest protected win ties
+        if self.valid is not None:
+            prio = torch.where(self.valid, prio, -_BIG + pos)  # padding only fills what real tokens cannot
+        idx = prio.topk(min(k, t), dim=-1).indices.sort(dim=-1).values  # (B, h, k)
+        self.keep(idx)
+        return idx
+
+    def stats(self) -> dict:
+        return {**super().stats(), "target": self.target()}

@@ -1,0 +1,82 @@
+"""Run a retrieval task over a grid of context lengths x depths; records, accuracy table, heat map."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from kvcompress.tasks.retrieval import run_case
+
+
+def accuracy_table(cases: list[dict]) -> dict:
+    """``{depth: {length: accuracy}}`` over the cases (mean when a cell holds several)."""
+    cells: dict = {}
+    for c in cases:
+        cells.setdefault(c["depth"], {}).setdefault(c["length"], []).append(float(c["correct"]))
+    return {d: {n: sum(v) / len(v) for n, v in sorted(row.items())} for d, row in sorted(cells.items())}
+
+
+def table_markdown(table: dict, title: str = "") -> str:
+    lengths = sorted({n for row in table.values() for n in row})
+    lines = [f"| depth % \\ length | {' | '.join(map(str, lengths))} |", "|---" * (len(lengths) + 1) + "|"]
+    for depth, row in table.items():
+        cells = " | ".join("" if n not in row else f"{row[n]:.2f}" for n in lengths)
+        lines.append(f"| {depth:g} | {cells} |")
+    return (f"{title}\n\n" if title else "") + "\n".join(lines)
+
+
+def save_heatmap(table: dict, path: Path, title: str) -> bool:
+    """Depth x length accuracy heat map as PNG; False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    lengths = sorted({n for row in table.values() for n in row})
+    depths = list(table)
+    grid = [[table[d].get(n, float("nan")) for n in lengths] for d in depths]
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.2 + 0.5 * len(depths)))
+    im = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+    ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+    ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("depth %")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=ax, label="accuracy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def run_grid(model, tokenizer, policy, cfg, make_case, out_dir=None, name: str = "niah") -> dict:
+    """Every (length, depth) of ``cfg`` through ``make_case(length, depth) -> Case``; returns metrics."""
+    grid = [(n, d) for n in cfg.lengths for d in cfg.depths]
+    cases = []
+    for length, depth in tqdm(grid, desc=name, disable=not cfg.get("progress", True), leave=False):
+        record = run_case(model, tokenizer, policy, make_case(int(length), float(depth)), cfg)
+        cases.append(record)
+    table = accuracy_table(cases)
+    correct = sum(c["correct"] for c in cases)
+    title = f"{name} {policy.name} question_in_prompt={bool(cfg.question_in_prompt)}"
+    metrics = {
+        "accuracy": correct / len(cases),
+        "correct": correct,
+        "cases_total": len(cases),
+        "question_in_prompt": bool(cfg.question_in_prompt),
+        "table": {str(d): {str(n): a for n, a in row.items()} for d, row in table.items()},
+        "cases": cases,
+    }
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}_cases.jsonl").write_text("".join(json.dumps(c) + "\n" for c in cases))
+        (out / f"{name}_table.md").write_text(table_markdown(table, title) + "\n")
+        metrics["heatmap"] = str(out / f"{name}_heatmap.png") if save_heatmap(
+            table, out / f"{name}_heatmap.png", title
+        ) else None  # fmt: skip
+    return metrics

