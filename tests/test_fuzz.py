@@ -20,8 +20,33 @@ settings.register_profile("long", max_examples=400, deadline=None, suppress_heal
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Per-policy parameter strategies; a policy without one is fuzzed with its SMALL overrides.
+_budget = st.one_of(
+    st.fixed_dictionaries({"budget": st.integers(1, 40), "compression_ratio": st.none()}),
+    st.fixed_dictionaries({"budget": st.none(), "compression_ratio": st.floats(0.0, 0.95)}),
+)
+
+
+def _with_budget(**extra):
+    return st.tuples(_budget, st.fixed_dictionaries(extra)).map(lambda t: {**t[0], **t[1]})
+
+
 PARAMS = {
     "sliding_window": st.fixed_dictionaries({"sink_tokens": st.integers(0, 6), "window": st.integers(1, 24)}),
+    "quant": st.fixed_dictionaries(
+        {
+            "bits": st.sampled_from([2, 4, 8]),
+            "group_size": st.sampled_from([2, 4, 8, 16]),
+            "residual_length": st.integers(0, 20),
+            "key_axis": st.sampled_from(["channel", "token"]),
+            "value_axis": st.sampled_from(["channel", "token"]),
+        }
+    ),
+    "h2o": _with_budget(recent=st.one_of(st.none(), st.integers(0, 10)), window=st.integers(1, 8)),
+    "tova": _with_budget(),
+    # slack=None: with slack SnapKV also holds its last `window` queries (counted in memory_bytes), which
+    # on sequences shorter than about budget + 1.5 x window is more than the full cache holds.
+    "snapkv": _with_budget(window=st.integers(1, 8), kernel_size=st.sampled_from([1, 3, 5]), slack=st.none()),
+    "pyramidkv": _with_budget(beta=st.integers(1, 30)),
 }
 
 MODEL = make_tiny("llama")
