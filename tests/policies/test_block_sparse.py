@@ -10,6 +10,7 @@ from helpers import stream_logits
 from transformers import DynamicCache
 
 from kvcompress import attention, build_cache
+from kvcompress.metrics.memory import read_summary
 from kvcompress.policies import BlockSparsePolicy, ModelSpec
 
 SPEC = ModelSpec(num_layers=1, num_heads=6, num_kv_heads=2, head_dim=8, max_positions=512)
@@ -138,3 +139,15 @@ def test_pages_align_to_each_rows_first_real_token(llama):
 def test_rejects_bad_fields(field, value):
     with pytest.raises(ValueError, match=f"block_sparse.{field}"):
         BlockSparsePolicy(**{field: value})
+
+
+def test_read_summary_adds_layers_per_decode_step(llama, tokens):
+    cache = build_cache("block_sparse", llama, block_size=4, top_k_blocks=3)
+    stream_logits(llama, tokens[:, :20], cache, chunk=1)
+    summary, stats = read_summary(cache.stats()), cache.stats()
+    per_step = sum(s["kv_bytes_read"] + s["meta_bytes_read"] for s in stats) / 20
+    assert summary["read_bytes_per_step"] == pytest.approx(per_step)
+    assert summary["pages_read_fraction"] == pytest.approx(stats[0]["pages_read_fraction"])
+    read = sum(s["kv_bytes_read"] + s["meta_bytes_read"] for s in stats)
+    assert summary["read_bytes_ratio"] == pytest.approx(read / sum(s["kv_bytes_full"] for s in stats))
+    assert read_summary(build_cache("full", llama).stats()) == {}
