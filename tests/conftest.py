@@ -16,6 +16,7 @@ POLICY_NAMES = sorted(p.stem for p in (CONF_DIR / "policy").glob("*.yaml"))
 SMALL = {
     "sliding_window": {"sink_tokens": 2, "window": 12},
     "block_sparse": {"block_size": 4, "top_k_blocks": 3},
+    "low_rank": {"rank": 4, "residual_length": 4, "calibration_text": "random", "calibration_tokens": 64},
     "window_schedule": {
         "default": {"_target_": "kvcompress.policies.SlidingWindowPolicy", "sink_tokens": 2, "window": 12}
     },
