@@ -104,6 +104,7 @@ def build_cache(policy, model, **params) -> KVCache:
     policy = make_policy(policy, **params)
     spec = model_spec(model)
     policy.check(spec)
+    policy.prepare(model)
     attention.install(model)
     layers = [policy.layer(i, spec) for i in range(spec.num_layers)]
     return KVCache(layers, policy)

@@ -18,3 +18,25 @@ def peak_device_bytes(device) -> int | None:
     if str(device).startswith("cuda") and torch.cuda.is_available():
         return int(torch.cuda.max_memory_allocated(device))
     return None
+
+
+def read_summary(stats: list[dict]) -> dict:
+    """KV bytes read per decode step over all layers, for policies that count reads (``block_sparse``).
+
+    Layers without read counters (other policies in a schedule) read all their tokens and are not
+    included. Returns an empty dict when no layer counts reads.
+    """
+    counted = [s for s in stats if s.get("decode_steps")]
+    if not counted:
+        return {}
+    steps = counted[0]["decode_steps"]
+    total = {k: sum(s[k] for s in counted) for k in ("kv_bytes_read", "meta_bytes_read", "kv_bytes_full")}
+    pages = sum(s["pages_read"] for s in counted) / max(sum(s["pages_total"] for s in counted), 1)
+    read = total["kv_bytes_read"] + total["meta_bytes_read"]
+    return {
+        "read_bytes_per_step": read / steps,
+        "kv_bytes_read_per_step": total["kv_bytes_read"] / steps,
+        "full_read_bytes_per_step": total["kv_bytes_full"] / steps,
+        "read_bytes_ratio": read / max(total["kv_bytes_full"], 1),
+        "pages_read_fraction": pages,
+    }

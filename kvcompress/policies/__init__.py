@@ -1,9 +1,11 @@
 """Policy families, one module each; ``conf/policy/<name>.yaml`` plus this export line is the registry."""
 
 from kvcompress.policies.base import ModelSpec, Policy, PolicyLayer
+from kvcompress.policies.block_sparse import BlockSparsePolicy
 from kvcompress.policies.eviction import EvictionPolicy
 from kvcompress.policies.full import FullPolicy
 from kvcompress.policies.h2o import H2OPolicy
+from kvcompress.policies.low_rank import LowRankPolicy
 from kvcompress.policies.pyramid import PyramidKVPolicy
 from kvcompress.policies.quant import QuantPolicy
 from kvcompress.policies.schedule import SchedulePolicy
@@ -24,4 +26,6 @@ __all__ = [
     "PyramidKVPolicy",
     "SnapKVPolicy",
     "TOVAPolicy",
+    "BlockSparsePolicy",
+    "LowRankPolicy",
 ]

@@ -38,6 +38,9 @@ class Policy:
     def check(self, spec: ModelSpec) -> None:
         """Validate fields against the model (e.g. a group size that must divide head_dim)."""
 
+    def prepare(self, model) -> None:
+        """Called by ``build_cache`` before ``layer()``; policies that need the model (calibration) use it."""
+
     def covering(self, n_tokens: int) -> Policy:
         """A copy whose budget covers ``n_tokens``: it must then behave exactly like ``full``."""
         return self

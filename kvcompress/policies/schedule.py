@@ -82,6 +82,12 @@ class SchedulePolicy(Policy):
         for policy in {id(p): p for p in self.assignment(spec.num_layers)}.values():
             policy.check(spec)
 
+    def prepare(self, model) -> None:
+        from kvcompress.cache import model_spec
+
+        for policy in {id(p): p for p in self.assignment(model_spec(model).num_layers)}.values():
+            policy.prepare(model)
+
     def covering(self, n_tokens: int) -> SchedulePolicy:
         rules = [{"layers": r["layers"], "policy": r["policy"].covering(n_tokens)} for r in self.rules]
         return SchedulePolicy(self.default and self.default.covering(n_tokens), rules)

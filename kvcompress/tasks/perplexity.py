@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kvcompress.cache import build_cache
 from kvcompress.data import load_text
 from kvcompress.guard import check_fits
 from kvcompress.metrics import decode_perplexity, measure_speed, peak_rss_bytes
-from kvcompress.metrics.memory import peak_device_bytes
+from kvcompress.metrics.memory import peak_device_bytes, read_summary
 
 
 def text_tokens(tokenizer, text_name: str, max_tokens: int, offset_tokens: int = 0, max_positions: int = 0):
@@ -31,12 +33,16 @@ def run(model, tokenizer, policy, cfg) -> dict:
     spec_max = getattr(model.config, "max_position_embeddings", 0)
     ids = text_tokens(tokenizer, cfg.text, cfg.max_tokens, cfg.get("offset_tokens", 0), spec_max)
     check_fits(model, cfg.max_tokens, chunk=cfg.chunk_size)
-    cache = build_cache(policy, model)
+    start = time.perf_counter()
+    cache = build_cache(policy, model)  # includes a calibrating policy's calibration (or its reload)
+    build_s = time.perf_counter() - start
     metrics = decode_perplexity(
         model, ids, cache, chunk_size=cfg.chunk_size, progress=cfg.get("progress", True)
     )
+    metrics["build_cache_s"] = build_s
     metrics["cache_bytes"] = cache.memory_bytes()
     metrics["tokens_stored_mean"] = sum(s["tokens_stored"] for s in cache.stats()) / len(cache.layers)
+    metrics.update(read_summary(cache.stats()))  # block_sparse: bytes read per decode step
     with torch.inference_mode():  # the full cache over the same tokens, for the ratio
         baseline = build_cache("full", model)
         model(ids[:, :-1].to(model.device), cache=baseline, use_cache=True, logits_to_keep=1)
