@@ -86,7 +86,13 @@ def make_policy(policy, **params) -> Policy:
 
 
 def model_spec(model) -> ModelSpec:
+    """What policies need to know about ``model``; refuses models that have no decoder KV cache."""
     cfg = model.config.get_text_config(decoder=True)
+    if getattr(cfg, "is_encoder_decoder", False) or not model.can_generate():
+        raise ValueError(
+            f"model: {type(model).__name__} ({getattr(cfg, 'model_type', '?')}) is not a decoder-only causal "
+            "LM; kvcompress policies compress the KV cache of models like Llama, Qwen2, Gemma or Mistral"
+        )
     heads = cfg.num_attention_heads
     return ModelSpec(
         num_layers=cfg.num_hidden_layers,

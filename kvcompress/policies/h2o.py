@@ -38,6 +38,11 @@ class H2OPolicy(EvictionPolicy):
             raise ValueError(f"h2o.recent={self.recent} must be >= 0 or null (half of the kept tokens)")
         if self.window < 1:
             raise ValueError(f"h2o.window={self.window} must be >= 1")
+        if self.budget is not None and self.recent is not None and self.recent > self.budget:
+            raise ValueError(
+                f"h2o.budget={self.budget} is below recent={self.recent}: the recent window is always "
+                "kept, so budget must be >= recent"
+            )
 
     def layer(self, layer_idx: int, spec: ModelSpec) -> H2OLayer:
         return H2OLayer(self, layer_idx, spec)
