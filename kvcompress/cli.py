@@ -6,6 +6,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
@@ -15,7 +16,9 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 def _main(cfg: DictConfig) -> None:
     from kvcompress.app import run_experiment
 
-    run_experiment(cfg, Path(HydraConfig.get().runtime.output_dir))
+    hydra_cfg = HydraConfig.get()
+    # In a sweep a failed run is recorded and the sweep goes on; the end-of-sweep callback reports it.
+    run_experiment(cfg, Path(hydra_cfg.runtime.output_dir), raise_errors=hydra_cfg.mode != RunMode.MULTIRUN)
 
 
 def main() -> None:
