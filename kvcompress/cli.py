@@ -7,9 +7,12 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+
+from kvcompress.sweep import run_dirname
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+OmegaConf.register_new_resolver("kvc_dirname", run_dirname, replace=True)  # used by hydra.sweep.subdir
 
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")

@@ -10,10 +10,10 @@ from pathlib import Path
 from kvcompress.results import RESULTS_FILE, write_text_atomic
 
 DEFAULT_COLUMNS = [
-    "run",
     "policy",
     "params",
     "status",
+    "tokens_scored",
     "perplexity",
     "chunk_size",
     "cache_bytes",

@@ -7,7 +7,9 @@ record. A record counts as done when its status is ``ok`` and its config equals 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import sys
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
@@ -17,6 +19,14 @@ from kvcompress.results import load_record
 
 # Keys that do not change what a run measures: a resumed sweep may log elsewhere or be renamed.
 IGNORED_KEYS = ("logger", "resume", "sweep_name")
+
+
+def run_dirname(overrides: str, max_len: int = 120) -> str:
+    """Folder name of a sweep run from Hydra's ``override_dirname``: ``/`` made safe, long names hashed."""
+    name = overrides.replace("/", "_") or "default"
+    if len(name) > max_len:
+        name = name[: max_len - 9] + "-" + hashlib.sha1(name.encode()).hexdigest()[:8]
+    return name
 
 
 def _comparable(config: dict) -> dict:
@@ -38,7 +48,8 @@ def completed_record(out_dir: Path, config: dict) -> dict | None:
 class CollectCallback(Callback):
     """Hydra callback: at the end of a multirun, one table + plots from the sweep's records.
 
-    Raises after collecting if any run failed, so the command exits non-zero.
+    Exits with status 1 after collecting if any run failed (Hydra turns callback exceptions into
+    warnings, so the exit is explicit).
     """
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
@@ -54,4 +65,6 @@ class CollectCallback(Callback):
         make_logger(config.get("logger")).log_sweep(summary, sweep_dir)
         failed = [r["run_dir"] for r in summary["records"] if r.get("status") != "ok"]
         if failed:
-            raise RuntimeError(f"{len(failed)} run(s) did not finish ok (see their results.json): {failed}")
+            print(f"[kvcompress] {len(failed)} run(s) did not finish ok (see results.json):", file=sys.stderr)
+            print("\n".join(failed), file=sys.stderr)
+            raise SystemExit(1)
