@@ -59,8 +59,19 @@ def plot_pareto(rows: list[dict], path: Path) -> Path | None:
     front = pareto_front([(r["cache_bytes"] / 2**20, r[key]) for r in rows])
     ax.plot(*zip(*front, strict=True), "k--", lw=1, label="Pareto front")
     ax.set(xscale="log", xlabel="cache MiB (log)", ylabel=key, title=f"{key} vs cache bytes")
+    _log_ticks(ax, sorted({r["cache_bytes"] / 2**20 for r in rows}))
     ax.legend(fontsize=8)
     return _save(fig, plt, path)
+
+
+def _log_ticks(ax, values: list[float]) -> None:
+    """Readable ticks on a log axis: at the data when there are few values, plain numbers otherwise."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    if len(values) <= 8:
+        ax.set_xticks(values)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def _niah_grids(records: list[dict]) -> dict[str, dict[tuple[float, float], list[float]]]:

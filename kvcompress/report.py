@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 from pathlib import Path
 
 from kvcompress.results import RESULTS_FILE, write_text_atomic
@@ -65,10 +66,15 @@ def csv_text(rows: list[dict]) -> str:
     return out.getvalue()
 
 
+def _natural_key(path: Path) -> list:
+    """Sort key where numbers compare as numbers: ``window=28`` before ``window=124``."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(path))]
+
+
 def collect(root: Path) -> list[dict]:
-    """Every results record under ``root`` (a run or sweep folder), in path order."""
+    """Every results record under ``root`` (a run or sweep folder), in natural path order."""
     records = []
-    for path in sorted(Path(root).rglob(RESULTS_FILE)):
+    for path in sorted(Path(root).rglob(RESULTS_FILE), key=_natural_key):
         try:
             record = json.loads(path.read_text())
         except json.JSONDecodeError:
