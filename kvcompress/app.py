@@ -1,10 +1,15 @@
-"""One experiment: validate, load, run the task, write ``results.json`` atomically, print a table."""
+"""One experiment: validate, load, run the task, write ``results.json`` atomically, log, print a table.
+
+A run whose folder already holds an ``ok`` record of the same config is skipped (``resume=false`` reruns
+it), so a killed sweep started again with the same command only runs what is missing.
+"""
 
 from __future__ import annotations
 
 import importlib
 import inspect
 import random
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -13,9 +18,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from kvcompress.cache import make_policy
+from kvcompress.loggers import make_logger
 from kvcompress.models import load_model
 from kvcompress.report import flatten, markdown_table
 from kvcompress.results import RESULTS_FILE, environment, write_json_atomic
+from kvcompress.sweep import completed_record
 
 
 def seed_everything(seed: int) -> None:
@@ -35,30 +42,50 @@ def _task_fn(task_cfg):
     return getattr(importlib.import_module(module), attr)
 
 
-def run_experiment(cfg: DictConfig, out_dir: Path) -> dict:
-    """Run ``cfg`` and write its record to ``out_dir/results.json`` (a failure record on error)."""
-    config = OmegaConf.to_container(cfg, resolve=True)
-    record = {"status": "running", "config": config}
-    policy = make_policy(config["policy"])  # validates fields before any model work
+def _execute(cfg: DictConfig, record: dict, out_dir: Path) -> dict:
+    """Validate the policy, load the model, run the task; returns the task's metrics."""
+    policy = make_policy(record["config"]["policy"])  # validates fields before any model work
     record["policy_name"] = policy.name
     task = _task_fn(cfg.task)
     seed_everything(cfg.get("seed", 0))
-    start = time.time()
-    try:
-        model, tok = load_model(cfg.model.name, dtype=cfg.model.get("dtype"), device=cfg.model.get("device"))
-        if cfg.model.get("attn_backend"):
-            from kvcompress.attention import set_backend
+    model, tok = load_model(cfg.model.name, dtype=cfg.model.get("dtype"), device=cfg.model.get("device"))
+    if cfg.model.get("attn_backend"):
+        from kvcompress.attention import set_backend
 
-            set_backend(model, cfg.model.attn_backend)
-        record["environment"] = environment(model)
-        extra = {"out_dir": Path(out_dir)} if "out_dir" in inspect.signature(task).parameters else {}
-        record["metrics"] = task(model, tok, policy, cfg.task, **extra)
+        set_backend(model, cfg.model.attn_backend)
+    record["environment"] = environment(model)
+    extra = {"out_dir": Path(out_dir)} if "out_dir" in inspect.signature(task).parameters else {}
+    return task(model, tok, policy, cfg.task, **extra)
+
+
+def run_experiment(cfg: DictConfig, out_dir: Path, raise_errors: bool = True) -> dict:
+    """Run ``cfg`` and write its record to ``out_dir/results.json`` (a failure record on error).
+
+    Args:
+        raise_errors: re-raise a failure after recording it (single runs); sweeps go on to the next run.
+    """
+    out_dir, config = Path(out_dir), OmegaConf.to_container(cfg, resolve=True)
+    done = completed_record(out_dir, config) if cfg.get("resume", True) else None
+    if done is not None:
+        print(f"[kvcompress] skipped {out_dir}: results.json is ok for this config (resume=false reruns)")
+        return done
+    record, error, start = {"status": "running", "config": config}, None, time.time()
+    write_json_atomic(out_dir / RESULTS_FILE, record)  # a killed run leaves status=running: redone on resume
+    try:
+        record["metrics"] = _execute(cfg, record, out_dir)
         record["status"] = "ok"
     except Exception as err:
+        error = err
         record.update(status="failed", error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc())
-        raise
+        if getattr(err, "step", None) is not None:  # NonFiniteError: where NaN/Inf appeared
+            record["failed_step"] = err.step
     finally:
         record["wall_s"] = time.time() - start
-        write_json_atomic(Path(out_dir) / RESULTS_FILE, record)
+        write_json_atomic(out_dir / RESULTS_FILE, record)
+    make_logger(cfg.get("logger")).log_run(record, out_dir)
+    if error is not None and raise_errors:
+        raise error
+    if error is not None:
+        print(f"[kvcompress] run failed ({out_dir}): {record['error']}", file=sys.stderr)
     print(markdown_table([flatten(record)]))
     return record

@@ -7,16 +7,22 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from kvcompress.sweep import run_dirname
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+OmegaConf.register_new_resolver("kvc_dirname", run_dirname, replace=True)  # used by hydra.sweep.subdir
 
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def _main(cfg: DictConfig) -> None:
     from kvcompress.app import run_experiment
 
-    run_experiment(cfg, Path(HydraConfig.get().runtime.output_dir))
+    hydra_cfg = HydraConfig.get()
+    # In a sweep a failed run is recorded and the sweep goes on; the end-of-sweep callback reports it.
+    run_experiment(cfg, Path(hydra_cfg.runtime.output_dir), raise_errors=hydra_cfg.mode != RunMode.MULTIRUN)
 
 
 SUBCOMMANDS = {"bench": "task=bench"}

@@ -1,15 +1,20 @@
-"""Tables from result records (never from logs)."""
+"""Tables from result records (never from logs): one row per run, Markdown and CSV, plus the plots."""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
+import re
 from pathlib import Path
 
-from kvcompress.results import RESULTS_FILE
+from kvcompress.results import RESULTS_FILE, write_text_atomic
 
 DEFAULT_COLUMNS = [
     "policy",
     "params",
+    "status",
+    "tokens_scored",
     "perplexity",
     "chunk_size",
     "cache_bytes",
@@ -26,25 +31,50 @@ def _fmt(value) -> str:
 
 
 def flatten(record: dict) -> dict:
-    """One table row from a results record: policy name, its parameters, status and metrics."""
+    """One table row from a results record: run folder, policy name and parameters, status, scalar metrics."""
     policy = dict(record.get("config", {}).get("policy", {}))
     name = record.get("policy_name") or policy.pop("_target_", "?").rsplit(".", 1)[-1]
     policy.pop("_target_", None)
     params = " ".join(f"{k}={v}" for k, v in policy.items())
-    return {"policy": name, "params": params, "status": record.get("status"), **record.get("metrics", {})}
+    metrics = {k: v for k, v in record.get("metrics", {}).items() if not isinstance(v, (list, dict))}
+    row = {"policy": name, "params": params, "status": record.get("status"), **metrics}
+    if "run_dir" in record:
+        row["run"] = Path(record["run_dir"]).name
+    return row
+
+
+def columns_for(rows: list[dict]) -> list[str]:
+    """Default columns present in ``rows``, then lm-eval metrics (``task/metric``)."""
+    present = {k for r in rows for k in r}
+    extra = sorted(k for k in present if "/" in k)
+    return [c for c in DEFAULT_COLUMNS if c in present] + extra
 
 
 def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
-    columns = columns or [c for c in DEFAULT_COLUMNS if any(c in r for r in rows)]
+    columns = columns or columns_for(rows)
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
 
 
+def csv_text(rows: list[dict]) -> str:
+    keys = sorted({k for r in rows for k in r})
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=keys)
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+def _natural_key(path: Path) -> list:
+    """Sort key where numbers compare as numbers: ``window=28`` before ``window=124``."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(path))]
+
+
 def collect(root: Path) -> list[dict]:
-    """Every results record under ``root`` (a run or sweep folder), in path order."""
+    """Every results record under ``root`` (a run or sweep folder), in natural path order."""
     records = []
-    for path in sorted(Path(root).rglob(RESULTS_FILE)):
+    for path in sorted(Path(root).rglob(RESULTS_FILE), key=_natural_key):
         try:
             record = json.loads(path.read_text())
         except json.JSONDecodeError:
@@ -52,3 +82,25 @@ def collect(root: Path) -> list[dict]:
         record["run_dir"] = str(path.parent)
         records.append(record)
     return records
+
+
+def summarize(root: Path, out_dir: Path | None = None, plots: bool = True) -> dict | None:
+    """Collect ``root``'s records into ``summary.csv``, ``summary.md`` and PNG plots in ``out_dir``.
+
+    Returns:
+        ``{"records", "rows", "markdown", "files"}``, or None when ``root`` holds no record.
+    """
+    records = collect(root)
+    if not records:
+        return None
+    out_dir = Path(out_dir or root)
+    rows = [flatten(r) for r in records]
+    markdown = markdown_table(rows)
+    write_text_atomic(out_dir / "summary.md", markdown + "\n")
+    write_text_atomic(out_dir / "summary.csv", csv_text(rows))
+    files = [out_dir / "summary.md", out_dir / "summary.csv"]
+    if plots:
+        from kvcompress.plots import make_plots
+
+        files += make_plots(records, out_dir)
+    return {"records": records, "rows": rows, "markdown": markdown, "files": files}

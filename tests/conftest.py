@@ -87,6 +87,29 @@ def tokens():
 
 
 @pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """Folder of a tiny random Llama + byte-level tokenizer: loads like any local HF model."""
+    from helpers import fake_essay, save_tiny_checkpoint
+
+    path = tmp_path_factory.mktemp("tiny_checkpoint")
+    save_tiny_checkpoint(path, [fake_essay(i) for i in range(4)])
+    return path
+
+
+@pytest.fixture
+def fake_cache(tmp_path, monkeypatch):
+    """An asset cache (KVCOMPRESS_CACHE) holding four short fake essays; no network, no real assets."""
+    from helpers import write_fake_essays
+
+    root = tmp_path / "kvc_cache"
+    write_fake_essays(root)
+    monkeypatch.setenv("KVCOMPRESS_CACHE", str(root))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
+    return root
+
+
+@pytest.fixture(scope="session")
 def real_model():
     from kvcompress import load_model
 

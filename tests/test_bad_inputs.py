@@ -56,11 +56,6 @@ BAD = [
         "h2o.budget=4 is below recent=8",
     ),
     (
-        "snapkv budget < window",
-        lambda m, p: make_policy("snapkv", budget=4, compression_ratio=None, window=8),
-        "snapkv.budget=4 is below window=8",
-    ),
-    (
         "budget and ratio",
         lambda m, p: make_policy("tova", budget=8, compression_ratio=0.5),
         "exactly one of budget",

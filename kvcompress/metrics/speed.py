@@ -6,6 +6,7 @@ import statistics
 import time
 
 import torch
+from tqdm.auto import tqdm
 
 
 def _sync(device) -> None:
@@ -28,7 +29,9 @@ def _one_run(model, input_ids, make_cache, decode_tokens: int):
     return t1 - t0, time.perf_counter() - t1, cache
 
 
-def measure_speed(model, input_ids, make_cache, decode_tokens: int = 32, warmup: int = 1, repeats: int = 3):
+def measure_speed(
+    model, input_ids, make_cache, decode_tokens: int = 32, warmup: int = 1, repeats: int = 3, progress=True
+):
     """Median prefill seconds, prefill and decode tokens/s over ``repeats`` runs after ``warmup`` runs.
 
     Args:
@@ -36,7 +39,7 @@ def measure_speed(model, input_ids, make_cache, decode_tokens: int = 32, warmup:
         make_cache: callable returning a fresh cache for each run.
     """
     prefill, decode = [], []
-    for i in range(warmup + repeats):
+    for i in tqdm(range(warmup + repeats), desc="speed", disable=not progress, leave=False):
         p, d, cache = _one_run(model, input_ids.to(model.device), make_cache, decode_tokens)
         if i >= warmup:
             prefill.append(p)
@@ -44,6 +47,7 @@ def measure_speed(model, input_ids, make_cache, decode_tokens: int = 32, warmup:
     p, d = statistics.median(prefill), statistics.median(decode)
     n = input_ids.shape[0]
     return {
+        "prompt_tokens": input_ids.shape[1],
         "prefill_s": p,
         "prefill_tok_s": n * input_ids.shape[1] / p,
         "decode_tok_s": n * decode_tokens / d if decode_tokens else float("nan"),

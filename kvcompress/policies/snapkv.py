@@ -41,11 +41,6 @@ class SnapKVPolicy(EvictionPolicy):
             raise ValueError(f"snapkv.pooling={self.pooling!r} is not supported; allowed: {list(POOLINGS)}")
         if self.slack is not None and self.slack < 0:
             raise ValueError(f"snapkv.slack={self.slack} must be >= 0 or null (never re-compress)")
-        if self.budget is not None and self.budget < self.window:
-            raise ValueError(
-                f"snapkv.budget={self.budget} is below window={self.window}: the observation window is "
-                "always kept, so budget must be >= window"
-            )
 
     @property
     def reserved(self) -> int:

@@ -58,6 +58,7 @@ def run(model, tokenizer, policy, cfg) -> dict:
                 lambda: build_cache(policy, model),
                 cfg.decode_tokens,
                 repeats=cfg.speed_repeats,
+                progress=cfg.get("progress", True),
             )
         )
     metrics["peak_rss_bytes"] = peak_rss_bytes()

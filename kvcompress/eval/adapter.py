@@ -1,0 +1,118 @@
+"""lm-eval model ``kvcompress``: lm-eval's ``hf`` model with every request run through a policy cache.
+
+Log-likelihoods: ``_model_call`` streams each batch through a fresh policy cache, ``chunk_size`` tokens
+per forward, so every scored token saw only what the policy kept (one full forward pass, what ``hf``
+does, never reads a cache). Generation: ``generate`` gets a fresh policy cache and stops on the model's
+generation-config eos ids. Model args are those of ``hf`` plus the policy and its fields::
+
+    lm_eval.simple_evaluate(
+        model="kvcompress", model_args="pretrained=smollm2-135m,policy=sliding_window,window=124", ...
+    )
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+from omegaconf import OmegaConf
+from tqdm.auto import tqdm
+
+from kvcompress.attention import set_backend
+from kvcompress.cache import CONF_DIR, build_cache, known_policies, make_policy
+from kvcompress.models import DEFAULT_MODEL, default_model_dir, resolve_device
+from kvcompress.policies.base import Policy
+
+
+def split_policy_args(policy, kwargs: dict) -> tuple[Policy, dict]:
+    """The policy named by ``policy`` with its fields taken out of ``kwargs``; the rest goes to ``hf``."""
+    if isinstance(policy, Policy):
+        return policy, kwargs
+    if not isinstance(policy, str):  # a {_target_: ..., field: value} mapping (Hydra, JSON model args)
+        return make_policy(dict(OmegaConf.to_container(OmegaConf.create(policy)))), kwargs
+    if policy not in known_policies():
+        raise ValueError(f"policy={policy!r} is unknown; known policies: {known_policies()}")
+    fields = set(OmegaConf.load(CONF_DIR / "policy" / f"{policy}.yaml")) - {"_target_"}
+    params = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
+    return make_policy(policy, **params), kwargs
+
+
+def resolve_pretrained(pretrained: str, kwargs: dict) -> tuple[str, dict]:
+    """Map kvcompress model names onto what ``hf`` loads: the embedded default, a ``.gguf`` file."""
+    if pretrained == DEFAULT_MODEL:
+        return str(default_model_dir()), kwargs
+    path = Path(pretrained).expanduser()
+    if path.suffix == ".gguf":
+        return str(path.parent), {**kwargs, "gguf_file": path.name}
+    return pretrained, kwargs
+
+
+@register_model("kvcompress")
+class KVCompressLM(HFLM):
+    """``HFLM`` whose forward passes and generations read and write a kvcompress policy cache.
+
+    Args:
+        pretrained: as for ``hf`` (hub id, local folder, loaded model) or ``"smollm2-135m"``, a ``.gguf``.
+        policy: a name from ``conf/policy/`` (its fields are model args too), a ``Policy`` or a config dict.
+        chunk_size: tokens per forward when streaming log-likelihood requests (1 = exact decode mode).
+        attn_backend: kernel behind kvcompress's attention function (``sdpa`` or ``eager``).
+        **kwargs: ``hf`` model args (``max_length``, ``dtype``, ``batch_size``...) and policy fields.
+    """
+
+    def __init__(self, pretrained=DEFAULT_MODEL, policy="full", chunk_size=1, attn_backend=None, **kwargs):
+        policy, kwargs = split_policy_args(policy, kwargs)
+        if int(chunk_size) < 1:
+            raise ValueError(f"chunk_size={chunk_size} must be an integer >= 1")
+        if isinstance(pretrained, str):
+            pretrained, kwargs = resolve_pretrained(pretrained, kwargs)
+        kwargs["device"] = str(kwargs.get("device") or resolve_device(None))
+        super().__init__(pretrained=pretrained, **kwargs)
+        self.policy, self.chunk_size = policy, int(chunk_size)
+        if attn_backend:
+            set_backend(self.model, attn_backend)
+        build_cache(policy, self.model)  # validates the policy against the model, installs the attention hook
+        self.kvc_stats = {"chunk_size": self.chunk_size, "requests": 0, "forward_calls": 0, "tokens": 0}
+
+    def _new_cache(self):
+        return build_cache(self.policy, self.model)
+
+    def _record(self, cache, batch: int, forwards: int) -> None:
+        """Count the call; keep the cache size of the longest sequence (tokens consumed, bytes held)."""
+        stats = self.kvc_stats
+        stats["requests"] += 1
+        stats["forward_calls"] += forwards
+        if cache.get_seq_length() >= stats["tokens"]:
+            stats.update(tokens=cache.get_seq_length(), batch=batch, cache_bytes=cache.memory_bytes())
+
+    def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
+        """Logits (B, T, V) of ``inps`` (B, T) streamed through a fresh policy cache in chunks."""
+        if attn_mask is not None or labels is not None:
+            raise ValueError("model=kvcompress supports decoder-only (causal) models; got a seq2seq call")
+        cache, logits = self._new_cache(), []
+        starts = range(0, inps.shape[1], self.chunk_size)
+        with torch.no_grad():
+            for s in tqdm(starts, desc="kvcompress stream", leave=False, disable=len(starts) < 256):
+                chunk = inps[:, s : s + self.chunk_size]
+                logits.append(self.model(chunk, cache=cache, use_cache=True).logits)  # (B, c, V)
+        self._record(cache, inps.shape[0], len(starts))
+        return torch.cat(logits, dim=1)
+
+    def _model_generate(self, context, max_length: int, stop, **generation_kwargs):
+        """Generate with a fresh policy cache; stop on the generation config's eos ids (not tokenizer's)."""
+        eos = self.model.generation_config.eos_token_id
+        if eos is not None:
+            generation_kwargs.setdefault("eos_token_id", eos)
+        cache = self._new_cache()
+        out = super()._model_generate(context, max_length, stop, cache=cache, **generation_kwargs)
+        self._record(cache, context.shape[0], out.shape[1] - context.shape[1])
+        return out
+
+    def get_model_info(self) -> dict:
+        """What lm-eval stores under ``config``: the model, the policy, ``chunk_size`` and cache counters."""
+        return {
+            "model_num_parameters": self.model.num_parameters(),
+            "model_dtype": str(self.model.dtype),
+            "kvcompress": {"policy": self.policy.describe(), **self.kvc_stats},
+        }

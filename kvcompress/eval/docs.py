@@ -1,0 +1,72 @@
+"""Documents of the offline lm-eval tasks, built from the embedded essays (deterministic, no network)."""
+
+from __future__ import annotations
+
+import random
+
+from kvcompress.data import essays_dir
+
+ESSAY_MIN_CHARS = 2000
+ESSAY_MAX_CHARS = 6000
+NEEDLE = "The special magic number is {}."
+QUESTION = "What is the special magic number mentioned in the text above?"
+NIAH_LENGTHS = (256, 512, 1024)
+NIAH_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def _cut(text: str, max_chars: int) -> str:
+    """The first ``max_chars`` characters of ``text``, cut back to the last whitespace."""
+    if len(text) <= max_chars:
+        return text
+    head = text[:max_chars]
+    return head[: head.rstrip().rfind(" ")].rstrip() if " " in head else head
+
+
+def essay_documents() -> list[dict]:
+    """One document per essay of at least 2000 characters: its first ~6000 characters (cut at a space)."""
+    docs = []
+    for path in sorted(essays_dir().glob("*.txt")):
+        text = path.read_text(encoding="utf-8").strip()
+        if len(text) >= ESSAY_MIN_CHARS:
+            docs.append({"title": path.stem, "page": _cut(text, ESSAY_MAX_CHARS)})
+    return docs
+
+
+def _sentence_start(words: list[str], at: int) -> int:
+    """The first index >= ``at`` that starts a sentence (previous word ends with . ? !), else ``at``."""
+    for i in range(at, len(words)):
+        if i == 0 or words[i - 1].endswith((".", "?", "!")):
+            return i
+    return at
+
+
+def niah_documents(lengths=NIAH_LENGTHS, depths=NIAH_DEPTHS, repeats: int = 2, seed: int = 0) -> list[dict]:
+    """Needle-in-a-haystack documents: a 7-digit magic number hidden at ``depth`` of ``length`` essay words.
+
+    The question comes after the context; the answer is the number (exact match on the digits).
+    """
+    words = " ".join(p.read_text(encoding="utf-8") for p in sorted(essays_dir().glob("*.txt"))).split()
+    rng = random.Random(seed)
+    docs = []
+    for length in lengths:
+        if length >= len(words):
+            raise ValueError(f"niah length={length} words exceeds the {len(words)} words of the essays")
+        for depth in depths:
+            for rep in range(repeats):
+                start = rng.randrange(len(words) - length)
+                hay = words[start : start + length]
+                number = str(rng.randrange(1_000_000, 10_000_000))
+                at = _sentence_start(hay, round(depth * length))
+                context = " ".join(hay[:at] + [NEEDLE.format(number)] + hay[at:])
+                docs.append(
+                    {
+                        "id": f"L{length}-D{depth:g}-R{rep}",
+                        "context": context,
+                        "question": QUESTION,
+                        "answer": number,
+                        "length": length,
+                        "depth": depth,
+                        "needle_word": at,
+                    }
+                )
+    return docs

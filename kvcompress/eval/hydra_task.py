@@ -1,0 +1,97 @@
+"""Hydra task ``task=lm_eval``: lm-eval tasks scored through the policy cache (``KVCompressLM``)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from omegaconf import OmegaConf
+
+from kvcompress.cache import build_cache
+
+CASE_FIELDS = ("depth", "length", "id")
+
+
+def _plain(value):
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def _metric_keys(values: dict) -> list[tuple[str, str, float]]:
+    """(metric, filter, value) of lm-eval's ``"metric,filter"`` keys, stderr and non-numbers left out."""
+    found = []
+    for key, value in values.items():
+        metric, _, filt = key.partition(",")
+        if filt and not metric.endswith("_stderr") and isinstance(value, (int, float)):
+            found.append((metric, filt, float(value)))
+    return found
+
+
+def flatten_results(results: dict) -> dict:
+    """``{"task/metric": value}`` from lm-eval's results; a filter is named only if a metric has several."""
+    metrics = {}
+    for task, values in results.get("results", {}).items():
+        found = _metric_keys(values)
+        counts = Counter(metric for metric, _, _ in found)
+        for metric, filt, value in found:
+            metrics[f"{task}/{metric}" if counts[metric] == 1 else f"{task}/{metric}_{filt}"] = value
+    return metrics
+
+
+def cases(results: dict) -> list[dict]:
+    """Per-document rows (task, depth, length, id, metrics) of the tasks whose documents carry a depth."""
+    rows = []
+    for task, items in (results.get("samples") or {}).items():
+        names = {metric for metric, _, _ in _metric_keys(results["results"].get(task, {}))}
+        for item in items:
+            doc = item.get("doc", {})
+            if "depth" in doc:
+                row = {"task": task, **{k: doc[k] for k in CASE_FIELDS if k in doc}}
+                scores = {m: float(item[m]) for m in sorted(names) if isinstance(item.get(m), (int, float))}
+                rows.append(row | scores)
+    return rows
+
+
+@torch.inference_mode()
+def full_cache_bytes(model, tokens: int, batch: int = 1) -> int:
+    """Bytes of the uncompressed cache over ``tokens`` tokens: the reference of ``cache_ratio``."""
+    cache = build_cache("full", model)
+    model(torch.zeros(batch, tokens, dtype=torch.long, device=model.device), cache=cache, use_cache=True)
+    return cache.memory_bytes()
+
+
+def run(model, tokenizer, policy, cfg) -> dict:
+    """Run ``cfg.tasks`` with lm-eval through ``policy``; metrics, cache bytes vs ``full``, per-case rows."""
+    import lm_eval
+
+    from kvcompress.eval.adapter import KVCompressLM
+    from kvcompress.eval.taskdata import task_manager
+
+    tasks = list(_plain(cfg.tasks))
+    lm = KVCompressLM(
+        pretrained=model,
+        tokenizer=tokenizer,
+        policy=policy,
+        chunk_size=cfg.chunk_size,
+        max_length=cfg.get("max_length"),
+        batch_size=cfg.get("batch_size", 1),
+    )
+    out = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=tasks,
+        task_manager=task_manager(tasks, cfg.get("include_path")),
+        limit=cfg.get("limit"),
+        num_fewshot=cfg.get("num_fewshot"),
+        gen_kwargs=_plain(cfg.get("gen_kwargs")),
+        apply_chat_template=cfg.get("apply_chat_template", False),
+        log_samples=True,
+        bootstrap_iters=cfg.get("bootstrap_iters", 0),
+    )
+    metrics = flatten_results(out)
+    stats = lm.kvc_stats
+    metrics.update({k: stats[k] for k in ("chunk_size", "requests", "forward_calls", "tokens")})
+    if stats.get("cache_bytes") is not None:
+        metrics["cache_bytes"] = stats["cache_bytes"]
+        metrics["full_cache_bytes"] = full_cache_bytes(model, stats["tokens"], stats["batch"])
+        metrics["cache_ratio"] = metrics["cache_bytes"] / metrics["full_cache_bytes"]
+    metrics["cases"] = cases(out)
+    return metrics

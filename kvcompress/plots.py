@@ -1,0 +1,154 @@
+"""Plots from result records: perplexity vs cache bytes (Pareto front), NIAH heat-maps, decode speed."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from kvcompress.report import flatten
+
+SCORE_KEYS = ("score", "correct", "exact_match", "accuracy", "acc")
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def label(row: dict) -> str:
+    return f"{row['policy']} {row['params']}".strip()
+
+
+def perplexity_key(rows: list[dict]) -> str | None:
+    """``perplexity`` (decode mode) if recorded, else an lm-eval word/byte perplexity column."""
+    keys = {k for r in rows for k in r}
+    if "perplexity" in keys:
+        return "perplexity"
+    found = sorted(k for k in keys if k.endswith(("/word_perplexity", "/byte_perplexity")))
+    return found[0] if found else None
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Points (bytes, perplexity) that no other point beats on both (fewer bytes and lower perplexity)."""
+    front, best = [], float("inf")
+    for x, y in sorted(points):
+        if y < best:
+            front.append((x, y))
+            best = y
+    return front
+
+
+def plot_pareto(rows: list[dict], path: Path) -> Path | None:
+    key = perplexity_key(rows)
+    rows = [r for r in rows if key and r.get(key) is not None and r.get("cache_bytes")]
+    if not rows:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    by_policy = defaultdict(list)
+    for r in rows:
+        by_policy[r["policy"]].append(r)
+    for policy, group in sorted(by_policy.items()):
+        ax.scatter([r["cache_bytes"] / 2**20 for r in group], [r[key] for r in group], label=policy, s=36)
+        for r in group:
+            ax.annotate(r["params"], (r["cache_bytes"] / 2**20, r[key]), fontsize=6, alpha=0.7)
+    front = pareto_front([(r["cache_bytes"] / 2**20, r[key]) for r in rows])
+    ax.plot(*zip(*front, strict=True), "k--", lw=1, label="Pareto front")
+    ax.set(xscale="log", xlabel="cache MiB (log)", ylabel=key, title=f"{key} vs cache bytes")
+    _log_ticks(ax, sorted({r["cache_bytes"] / 2**20 for r in rows}))
+    ax.legend(fontsize=8)
+    return _save(fig, plt, path)
+
+
+def _log_ticks(ax, values: list[float]) -> None:
+    """Readable ticks on a log axis: at the data when there are few values, plain numbers otherwise."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    if len(values) <= 8:
+        ax.set_xticks(values)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def _niah_grids(records: list[dict]) -> dict[str, dict[tuple[float, float], list[float]]]:
+    """Per label: {(depth, length): [scores]} from the records' per-case rows."""
+    grids = defaultdict(lambda: defaultdict(list))
+    for record in records:
+        cases = record.get("metrics", {}).get("cases") or []
+        for case in cases:
+            score = next((case[k] for k in SCORE_KEYS if k in case), None)
+            if score is None or "depth" not in case or "length" not in case:
+                continue
+            name = label(flatten(record)) + (f" [{case['task']}]" if "task" in case else "")
+            grids[name][(float(case["depth"]), float(case["length"]))].append(float(score))
+    return grids
+
+
+def plot_niah(records: list[dict], path: Path) -> Path | None:
+    grids = _niah_grids(records)
+    if not grids:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(grids), figsize=(3.6 * len(grids), 3.4), squeeze=False)
+    for ax, (name, cells) in zip(axes[0], sorted(grids.items()), strict=True):
+        depths = sorted({d for d, _ in cells})
+        lengths = sorted({n for _, n in cells})
+        acc = [[_mean(cells.get((d, n))) for n in lengths] for d in depths]
+        ax.imshow(acc, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        for i, row in enumerate(acc):
+            for j, v in enumerate(row):
+                ax.text(j, i, "" if v is None else f"{v:.2f}", ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(lengths)), [f"{n:g}" for n in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+        ax.set(xlabel="context length", ylabel="needle depth", title=name)
+        ax.title.set_fontsize(7)
+    return _save(fig, plt, path)
+
+
+def _mean(values):
+    return None if not values else sum(values) / len(values)
+
+
+def _context(record: dict) -> int | None:
+    metrics, task = record.get("metrics", {}), record.get("config", {}).get("task", {})
+    return metrics.get("prompt_tokens") or task.get("prefill_tokens") or task.get("max_tokens")
+
+
+def plot_speed(records: list[dict], path: Path) -> Path | None:
+    lines = defaultdict(list)
+    for record in records:
+        tok_s, context = record.get("metrics", {}).get("decode_tok_s"), _context(record)
+        if tok_s and context:
+            lines[label(flatten(record))].append((context, tok_s))
+    if not lines:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, points in sorted(lines.items()):
+        ax.plot(*zip(*sorted(points), strict=True), "o-", label=name)
+    ax.set(xlabel="context tokens (prompt)", ylabel="decode tokens/s", title="decode speed vs context length")
+    ax.legend(fontsize=7)
+    return _save(fig, plt, path)
+
+
+def _save(fig, plt, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def make_plots(records: list[dict], out_dir: Path) -> list[Path]:
+    """Every plot the records have data for, written as PNG into ``out_dir``."""
+    rows = [flatten(r) for r in records if r.get("status") == "ok"]
+    ok = [r for r in records if r.get("status") == "ok"]
+    made = [
+        plot_pareto(rows, Path(out_dir) / "pareto.png"),
+        plot_niah(ok, Path(out_dir) / "niah_heatmap.png"),
+        plot_speed(ok, Path(out_dir) / "decode_speed.png"),
+    ]
+    return [p for p in made if p is not None]

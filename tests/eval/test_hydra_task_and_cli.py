@@ -1,0 +1,68 @@
+"""`task=lm_eval` through the Hydra task function, and `kvcompress-lm-eval` running kvc_niah offline."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from kvcompress.cache import make_policy
+from kvcompress.eval.hydra_task import cases, flatten_results
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_flatten_results_names_filters_only_when_a_metric_has_several():
+    results = {"results": {"a": {"alias": "a", "acc,none": 0.5, "acc_stderr,none": 0.1},
+                           "b": {"em,strict": 1.0, "em,flex": 0.0, "ppl,none": 3.0}}}  # fmt: skip
+    assert flatten_results(results) == {"a/acc": 0.5, "b/em_strict": 1.0, "b/em_flex": 0.0, "b/ppl": 3.0}
+    samples = {
+        "b": [{"doc": {"depth": 0.5, "length": 64, "id": "x", "context": "long"}, "em": 1.0, "ppl": 2}]
+    }
+    assert cases({"results": results["results"], "samples": samples}) == [
+        {"task": "b", "depth": 0.5, "length": 64, "id": "x", "em": 1.0, "ppl": 2.0}
+    ]
+
+
+def test_hydra_task_scores_niah_and_records_cache_bytes(fake_cache, tiny_checkpoint):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvcompress.eval.hydra_task import run
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    cfg = OmegaConf.load(ROOT / "conf" / "task" / "lm_eval.yaml")
+    cfg.tasks, cfg.limit = ["kvc_niah"], 3
+    policy = make_policy("sliding_window", sink_tokens=2, window=30)
+    metrics = run(model, tok, policy, cfg)
+    assert 0.0 <= metrics["kvc_niah/exact_match"] <= 1.0 and metrics["requests"] == 3
+    assert [c["depth"] for c in metrics["cases"]] == [0.0, 0.0, 0.25] and metrics["cases"][0]["length"] == 256
+    assert set(metrics["cases"][0]) == {"task", "depth", "length", "id", "exact_match"}
+    cfg_ = model.config
+    kept_bytes = 2 * cfg_.num_hidden_layers * cfg_.num_key_value_heads * 32 * (cfg_.hidden_size // 4) * 4
+    assert metrics["cache_bytes"] == kept_bytes and metrics["full_cache_bytes"] > 4 * kept_bytes
+    assert metrics["cache_ratio"] == pytest.approx(kept_bytes / metrics["full_cache_bytes"])
+
+
+@pytest.mark.slow
+def test_cli_runs_kvc_niah_offline(fake_cache, tiny_checkpoint, tmp_path):
+    args = f"pretrained={tiny_checkpoint},policy=sliding_window,window=16,max_length=600"
+    cmd = [sys.executable, "-m", "kvcompress.eval.cli", "run", "--model", "kvcompress", "--model_args", args,
+           "--tasks", "kvc_niah", "--limit", "2", "--device", "cpu",
+           "--output_path", str(tmp_path / "out")]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "kvc_niah" in proc.stdout and "exact_match" in proc.stdout
+    (result_file,) = (tmp_path / "out").rglob("results_*.json")
+    result = json.loads(result_file.read_text())
+    assert result["results"]["kvc_niah"]["exact_match,number"] in (0.0, 0.5, 1.0)
+    info = result["config"]["kvcompress"]
+    assert (
+        info["policy"] == {"name": "sliding_window", "sink_tokens": 4, "window": 16} and info["requests"] == 2
+    )

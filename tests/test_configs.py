@@ -1,0 +1,83 @@
+"""Every Hydra config composes; sweep, experiment and launcher configs say what they sweep and where."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+
+import kvcompress.cli  # noqa: F401  (registers the kvc_dirname resolver)
+from kvcompress.cli import CONF_DIR
+from kvcompress.loggers import Logger, make_logger
+from kvcompress.sweep import run_dirname
+
+CONF = Path(CONF_DIR)
+POLICIES = {p.stem for p in (CONF / "policy").glob("*.yaml")}
+
+
+def _compose(*overrides, hydra_cfg=True):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("config", overrides=list(overrides), return_hydra_config=hydra_cfg)
+
+
+def _needs_missing_policy(path: Path) -> str | None:
+    for line in path.read_text().splitlines():
+        if "override /policy:" in line and line.split(":")[-1].strip() not in POLICIES:
+            return line.split(":")[-1].strip()
+    return None
+
+
+@pytest.mark.parametrize("group", ["sweep", "experiment"])
+def test_sweep_and_experiment_configs_compose_as_named_multiruns(group):
+    paths = sorted((CONF / group).glob("*.yaml"))
+    assert paths, f"no conf/{group}/*.yaml"
+    for path in paths:
+        missing = _needs_missing_policy(path)
+        if missing:  # e.g. quant_bits before the quant policy is merged
+            continue
+        cfg = _compose(f"{group}={path.stem}")
+        assert cfg.hydra.mode.name == "MULTIRUN" and cfg.hydra.sweeper.params, path.name
+        assert cfg.sweep_name and cfg.hydra.sweep.dir == f"multirun/{cfg.sweep_name}"
+
+
+def test_quant_bits_sweeps_bits_8_4_2_of_the_quant_policy():
+    text = (CONF / "sweep" / "quant_bits.yaml").read_text()
+    cfg = OmegaConf.create(text)
+    assert cfg.hydra.sweeper.params["policy.bits"] == "8,4,2" and cfg.sweep_name == "quant_bits"
+    assert "override /policy: quant" in text
+
+
+@pytest.mark.parametrize("logger", sorted(p.stem for p in (CONF / "logger").glob("*.yaml")))
+def test_logger_configs_instantiate(logger, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    cfg = _compose(f"logger={logger}", hydra_cfg=False)
+    made = make_logger(cfg.logger)
+    assert isinstance(made, Logger) and cfg.logger.name == logger
+    if logger == "wandb":
+        assert made.settings["mode"] == "offline"  # no account needed unless WANDB_MODE=online
+
+
+def test_slurm_launcher_preset_and_joblib_compose():
+    slurm = _compose("hydra/launcher=slurm", "hydra.launcher.partition=gpu", "sweep_name=s").hydra.launcher
+    assert slurm._target_.endswith("SlurmLauncher") and slurm.partition == "gpu"
+    assert slurm.gpus_per_node == 1 and slurm.timeout_min == 240
+    assert slurm.submitit_folder == "multirun/s/.submitit/%j"
+    joblib = _compose("hydra/launcher=joblib", "hydra.launcher.n_jobs=2").hydra.launcher
+    assert joblib._target_.endswith("JoblibLauncher") and joblib.n_jobs == 2
+
+
+def test_lm_eval_task_config_composes():
+    cfg = _compose("task=lm_eval", "task.tasks=[kvc_niah]", hydra_cfg=False)
+    assert cfg.task._target_ == "kvcompress.eval.hydra_task.run" and list(cfg.task.tasks) == ["kvc_niah"]
+    assert cfg.task.chunk_size == 1
+
+
+def test_run_dirname_is_safe_and_bounded():
+    assert run_dirname("model.name=/a/b,policy=full") == "model.name=_a_b,policy=full"
+    assert run_dirname("") == "default"
+    long = run_dirname("x=" + "y" * 300)
+    assert len(long) == 120 and long != run_dirname("x=" + "y" * 299)
