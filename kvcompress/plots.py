@@ -94,7 +94,7 @@ def plot_niah(records: list[dict], path: Path) -> Path | None:
         return None
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(grids), figsize=(3.6 * len(grids), 3.4), squeeze=False)
-    for ax, (name, cells) in zip(axes[0], sorted(grids.items()), strict=True):
+    for ax, (name, cells) in zip(axes[0], grids.items(), strict=True):  # records are in sweep order
         depths = sorted({d for d, _ in cells})
         lengths = sorted({n for _, n in cells})
         acc = [[_mean(cells.get((d, n))) for n in lengths] for d in depths]

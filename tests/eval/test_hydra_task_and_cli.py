@@ -53,7 +53,7 @@ def test_hydra_task_scores_niah_and_records_cache_bytes(fake_cache, tiny_checkpo
 def test_cli_runs_kvc_niah_offline(fake_cache, tiny_checkpoint, tmp_path):
     args = f"pretrained={tiny_checkpoint},policy=sliding_window,window=16,max_length=600"
     cmd = [sys.executable, "-m", "kvcompress.eval.cli", "run", "--model", "kvcompress", "--model_args", args,
-           "--tasks", "kvc_niah", "--limit", "2", "--device", "cpu",
+           "--device", "cpu", "--tasks", "kvc_niah", "--limit", "2",
            "--output_path", str(tmp_path / "out")]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)

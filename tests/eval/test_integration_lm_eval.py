@@ -11,6 +11,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 def test_embedded_model_full_matches_hf_and_window_differs():
     lm_eval = pytest.importorskip("lm_eval")
+    import kvcompress.eval.adapter  # noqa: F401  (registers model="kvcompress")
     from kvcompress.eval import task_manager
 
     common = {"pretrained": str(default_model_dir()), "device": "cpu", "dtype": "float32", "max_length": 256}
@@ -24,4 +25,4 @@ def test_embedded_model_full_matches_hf_and_window_differs():
     stock = bpb("hf")
     assert bpb("kvcompress", policy="full", chunk_size=64) == pytest.approx(stock, rel=1e-3)
     window = bpb("kvcompress", policy="sliding_window", sink_tokens=4, window=60, chunk_size=64)
-    assert window > stock * 1.01  # a 64-token cache loses context the 256-token window had
+    assert window > stock * 1.005  # a 64-token cache loses context the 256-token window had (bits/byte)
