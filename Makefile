@@ -27,6 +27,9 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest tests -m "not integration and not slow"
 
+bench: install
+	$(BIN)/python benchmarks/score_capture.py
+
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
