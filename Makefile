@@ -30,6 +30,9 @@ test-fast: install
 bench: install
 	$(BIN)/kvcompress bench hydra.run.dir=outputs/bench
 
+bench-scores: install
+	$(BIN)/python benchmarks/score_capture.py
+
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 

@@ -21,6 +21,8 @@ DEFAULT_COLUMNS = [
     "cache_ratio",
     "prefill_tok_s",
     "decode_tok_s",
+    "question_in_prompt",
+    "accuracy",
 ]
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 
 from kvcompress import build_cache
@@ -116,4 +115,4 @@ def test_table_markdown_lists_depths_by_lengths():
     ]
     table = accuracy_table(cases)
     assert table == {0: {1: 0.5}, 50: {2: 1.0}}
-    assert "| 0 | 0.50 |  |" in table_markdown(table) and torch is not None
+    assert "| 0 | 0.50 |  |" in table_markdown(table)

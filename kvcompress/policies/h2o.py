@@ -71,7 +71,7 @@ class H2OLayer(EvictionLayer):
 
     def keep(self, idx: torch.Tensor) -> None:
         super().keep(idx)
-        self.acc = self.acc.gather(-1, idx.sort(dim=-1).values)
+        self.acc = self.acc.gather(-1, idx.sort(dim=-1).values.expand(-1, self.acc.shape[1], -1))
 
     def reorder_cache(self, beam_idx) -> None:
         super().reorder_cache(beam_idx)

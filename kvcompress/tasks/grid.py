@@ -39,8 +39,11 @@ def save_heatmap(table: dict, path: Path, title: str) -> bool:
     lengths = sorted({n for row in table.values() for n in row})
     depths = list(table)
     grid = [[table[d].get(n, float("nan")) for n in lengths] for d in depths]
-    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.2 + 0.5 * len(depths)))
+    fig, ax = plt.subplots(figsize=(max(4.0, 2.0 + 0.9 * len(lengths)), 1.5 + 0.45 * len(depths)))
     im = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+    for i, row in enumerate(grid):
+        for j, value in enumerate(row):
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
     ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
     ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
     ax.set_xlabel("context tokens")
@@ -62,7 +65,7 @@ def run_grid(model, tokenizer, policy, cfg, make_case, out_dir=None, name: str =
         cases.append(record)
     table = accuracy_table(cases)
     correct = sum(c["correct"] for c in cases)
-    title = f"{name} {policy.name} question_in_prompt={bool(cfg.question_in_prompt)}"
+    title = f"{name} {policy.name}\nquestion_in_prompt={bool(cfg.question_in_prompt)}"
     metrics = {
         "accuracy": correct / len(cases),
         "correct": correct,
