@@ -89,6 +89,13 @@ def eigenbasis(moment: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return vectors.flip(-1).float(), values.flip(-1).clamp(min=0).float()
 
 
+def rank_for_energy(eigenvalues: torch.Tensor, energy: float) -> int:
+    """Smallest r whose leading eigenvalues (H_kv, D) hold ``energy`` of the total in every head."""
+    share = eigenvalues.cumsum(-1) / eigenvalues.sum(-1, keepdim=True).clamp(min=1e-30)
+    per_head = (share < energy - 1e-6).sum(-1) + 1  # tolerance: energy=1.0 must reach head_dim exactly
+    return int(per_head.clamp(max=eigenvalues.shape[-1]).max())
+
+
 def calibrate(model, text: str, n_tokens: int, directory: str | Path | None = None) -> dict:
     """Bases of keys and values per layer and KV head, computed once and then reused from disk.
 

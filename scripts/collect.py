@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvcompress.report import csv_text, summarize
+from kvcompress.report import csv_text, markdown_table, summarize
 
 
 def main(argv=None) -> int:
@@ -21,12 +21,16 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, help="where to write the table and plots (default: root)")
     parser.add_argument("--csv", type=Path, help="also write the rows as CSV to this file")
     parser.add_argument("--no-plots", action="store_true", help="tables only")
+    parser.add_argument("--columns", help="comma-separated columns for the printed table")
     args = parser.parse_args(argv)
     summary = summarize(args.root, args.out, plots=not args.no_plots)
     if summary is None:
         print(f"no results.json under {args.root}", file=sys.stderr)
         return 1
-    print(summary["markdown"])
+    if args.columns:
+        print(markdown_table(summary["rows"], args.columns.split(",")))
+    else:
+        print(summary["markdown"])
     if args.csv:
         args.csv.write_text(csv_text(summary["rows"]))
     print("wrote " + ", ".join(str(p) for p in summary["files"]), file=sys.stderr)

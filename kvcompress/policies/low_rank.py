@@ -10,9 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
-
 from kvcompress.policies.base import ModelSpec, Policy, PolicyLayer
+from kvcompress.policies.low_rank_layer import LowRankLayer
 
 
 @dataclass
@@ -26,6 +25,7 @@ class LowRankPolicy(Policy):
         energy: instead of ``rank``, keep per layer the fewest components that hold this share of the
             calibration energy in every KV head (keys and values chosen separately).
         residual_length: newest tokens kept exactly, in the model dtype.
+        int8_coefficients: store coefficients as int8 codes with one scale (model dtype) per token and head.
         calibration_text: ``pg_essays`` (its last ``calibration_tokens`` tokens, disjoint from evaluation
             text read from the start), a ``.txt``/``.jsonl`` path, a `datasets` spec, or ``random``.
         calibration_tokens: tokens of calibration text.
@@ -36,6 +36,7 @@ class LowRankPolicy(Policy):
     value_rank: int | None = None
     energy: float | None = None
     residual_length: int = 0
+    int8_coefficients: bool = False
     calibration_text: str = "pg_essays"
     calibration_tokens: int = 2048
     calibration_dir: str | None = None
@@ -92,9 +93,11 @@ class LowRankPolicy(Policy):
         """(key rank, value rank) of a layer: ``rank``, or the fewest components reaching ``energy``."""
         if self.rank is not None:
             return self.rank, self.value_rank or self.rank
+        from kvcompress.calibration import rank_for_energy
+
+        cal = self.calibration
         return tuple(
-            _rank_for_energy(self.calibration[f"{kind}_energy"][layer_idx], self.energy)
-            for kind in ("key", "value")
+            rank_for_energy(cal[f"{kind}_energy"][layer_idx], self.energy) for kind in ("key", "value")
         )
 
     def layer(self, layer_idx: int, spec: ModelSpec) -> PolicyLayer:
@@ -102,81 +105,3 @@ class LowRankPolicy(Policy):
         kb = self.calibration["key_basis"][layer_idx, :, :, :rk]  # (H_kv, D, rk)
         vb = self.calibration["value_basis"][layer_idx, :, :, :rv]
         return LowRankLayer(self, layer_idx, spec, kb, vb)
-
-
-def _rank_for_energy(eigenvalues: torch.Tensor, energy: float) -> int:
-    """Smallest r whose leading eigenvalues (H_kv, D) hold ``energy`` of the total in every head."""
-    share = eigenvalues.cumsum(-1) / eigenvalues.sum(-1, keepdim=True).clamp(min=1e-30)
-    per_head = (share < energy - 1e-6).sum(-1) + 1  # tolerance: energy=1.0 must reach head_dim exactly
-    return int(per_head.clamp(max=eigenvalues.shape[-1]).max())
-
-
-class LowRankLayer(PolicyLayer):
-    """Coefficients ``key_coef``/``value_coef`` (B, H_kv, T_c, r) of older tokens; exact residual tokens in
-    ``keys``/``values`` (B, H_kv, R, D); the layer's bases (H_kv, D, r), counted once per layer."""
-
-    def __init__(self, policy: LowRankPolicy, layer_idx: int, spec: ModelSpec, key_basis, value_basis):
-        super().__init__(policy, layer_idx, spec)
-        own = torch.contiguous_format  # a copy with its own storage, not a view of the whole calibration
-        self.key_basis, self.value_basis = (
-            key_basis.clone(memory_format=own),
-            value_basis.clone(memory_format=own),
-        )
-        self.key_coef = self.value_coef = None
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        super().lazy_initialization(key_states, value_states)
-        self.key_basis = self.key_basis.to(self.device, self.dtype)
-        self.value_basis = self.value_basis.to(self.device, self.dtype)
-
-    def reset(self) -> None:
-        super().reset()
-        self.key_coef = self.value_coef = None
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        if self.key_coef is not None:
-            self.key_coef = self.key_coef.index_select(0, beam_idx.to(self.device))
-            self.value_coef = self.value_coef.index_select(0, beam_idx.to(self.device))
-
-    def projected_length(self) -> int:
-        return 0 if self.key_coef is None else self.key_coef.shape[-2]
-
-    def stored_length(self) -> int:
-        return self.projected_length() + super().stored_length()
-
-    def tensors(self) -> list[torch.Tensor]:
-        return super().tensors() + [self.key_coef, self.value_coef, self.key_basis, self.value_basis]
-
-    def append(self, key_states, value_states, new_valid):
-        """Append, project what leaves the residual window; return the reconstruction (B, H_kv, T, D)."""
-        _, _, valid = super().append(key_states, value_states, new_valid)
-        overflow = self.keys.shape[-2] - self.policy.residual_length
-        if overflow > 0:
-            k_new = self.keys[:, :, :overflow] @ self.key_basis  # (B, H_kv, n, rk)
-            v_new = self.values[:, :, :overflow] @ self.value_basis
-            self.key_coef = k_new if self.key_coef is None else torch.cat([self.key_coef, k_new], dim=-2)
-            self.value_coef = (
-                v_new if self.value_coef is None else torch.cat([self.value_coef, v_new], dim=-2)
-            )
-            self.keys, self.values = self.keys[:, :, overflow:].clone(), self.values[:, :, overflow:].clone()
-        keys = self.reconstruct(self.key_coef, self.key_basis, self.keys)
-        values = self.reconstruct(self.value_coef, self.value_basis, self.values)
-        return keys, values, valid
-
-    @staticmethod
-    def reconstruct(coef, basis, residual) -> torch.Tensor:
-        """Projected tokens ``coef @ basis^T`` followed by the exact residual: (B, H_kv, T, D)."""
-        if coef is None:
-            return residual
-        return torch.cat([coef @ basis.mT, residual], dim=-2)
-
-    def stats(self) -> dict:
-        return {
-            **super().stats(),
-            "key_rank": self.key_basis.shape[-1],
-            "value_rank": self.value_basis.shape[-1],
-            "tokens_projected": self.projected_length(),
-            "calibration_source": self.policy.calibration["source"],
-            "calibration_s": self.policy.calibration.get("seconds"),
-        }

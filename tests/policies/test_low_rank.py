@@ -132,3 +132,15 @@ def test_model_dependent_checks(llama, tmp_path):
         build_cache(LowRankPolicy(rank=4, calibration_dir=str(tmp_path)), llama)
     with pytest.raises(RuntimeError, match="not calibrated"):
         LowRankPolicy(rank=4).layer(0, None)
+
+
+def test_int8_coefficients_store_codes_and_scales(llama, tokens, tmp_path):
+    cache = build_cache(policy(tmp_path, rank=4, int8_coefficients=True), llama)
+    layer, keys, _ = _keys_seen(cache, llama, tokens)
+    assert layer.key_coef.dtype == layer.value_coef.dtype == torch.int8
+    assert layer.key_scale.shape == (1, 2, 48, 1)
+    exact = keys @ layer.key_basis  # (1, H_kv, 48, 4)
+    assert ((layer.key_coef.float() * layer.key_scale - exact).abs() <= layer.key_scale / 2 + 1e-6).all()
+    assert (layer.key_coef.abs().amax(-1) == 127).all()  # absmax scaling uses the whole int8 range
+    # int8 codes + one float32 scale per token and head (keys and values) + the two float32 bases
+    assert layer.memory_bytes() == 2 * (2 * 48 * 4) + 2 * (2 * 48 * 4) + 2 * (2 * HEAD_DIM * 4 * 4)

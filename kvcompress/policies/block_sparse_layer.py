@@ -1,0 +1,155 @@
+"""Quest page metadata and per-step page selection: the cache layer of ``BlockSparsePolicy``.
+
+Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference", arXiv 2406.10774.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvcompress.policies.base import ModelSpec, PolicyLayer, _gather
+
+if TYPE_CHECKING:
+    from kvcompress.policies.block_sparse import BlockSparsePolicy
+
+
+class BlockSparseLayer(PolicyLayer):
+    """Full storage plus page key bounds ``page_min``/``page_max`` (B, H_kv, P, D); selects in ``attend``.
+
+    Pages are aligned to each row's first real token (of the first forward), so left padding does not
+    change which tokens share a page.
+    """
+
+    COUNTERS = (
+        "decode_steps",
+        "pages_read",
+        "pages_total",
+        "kv_bytes_read",
+        "meta_bytes_read",
+        "kv_bytes_full",
+    )
+
+    def __init__(self, policy: BlockSparsePolicy, layer_idx: int, spec: ModelSpec):
+        super().__init__(policy, layer_idx, spec)
+        self.page_min = self.page_max = None  # (B, H_kv, P, D)
+        self.shift: list[int] | None = None  # per row: virtual positions before its first real token
+        self.meta_len = 0  # stored tokens already summarised in the page bounds
+        self.counters = dict.fromkeys(self.COUNTERS, 0)
+
+    def reset(self) -> None:
+        super().reset()
+        self.page_min = self.page_max = self.shift = None
+        self.meta_len = 0
+        self.counters = dict.fromkeys(self.COUNTERS, 0)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self.page_min = self.page_min.index_select(0, beam_idx.to(self.device))
+        self.page_max = self.page_max.index_select(0, beam_idx.to(self.device))
+        self.shift = [self.shift[i] for i in beam_idx.tolist()]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return super().tensors() + [self.page_min, self.page_max]
+
+    # -- page metadata ------------------------------------------------------------------------
+    def _page_of(self, t: torch.Tensor) -> torch.Tensor:
+        """Page index (B, n) of stored positions ``t`` (n,)."""
+        shift = torch.tensor(self.shift, device=self.device)[:, None]
+        return torch.div(t[None] + shift, self.policy.block_size, rounding_mode="floor")
+
+    def compress(self) -> None:
+        """Fold the new tokens' keys into the per-page min/max (padding contributes nothing)."""
+        start, total = self.meta_len, self.stored_length()
+        if self.shift is None:
+            b = self.keys.shape[0]
+            first = self.valid[:, 0].int().argmax(-1).tolist() if self.valid is not None else [0] * b
+            self.shift = [(-f) % self.policy.block_size for f in first]
+        new = self.keys[:, :, start:]  # (B, H_kv, q, D)
+        lo, hi = new, new
+        if self.valid is not None:
+            real = self.valid[:, :, start:, None]
+            lo, hi = new.masked_fill(~real, math.inf), new.masked_fill(~real, -math.inf)
+        n_pages = (total - 1 + max(self.shift)) // self.policy.block_size + 1
+        self.page_min = _grow(self.page_min, new, n_pages, math.inf)
+        self.page_max = _grow(self.page_max, new, n_pages, -math.inf)
+        idx = self._page_of(torch.arange(start, total, device=self.device))[:, None, :, None]
+        idx = idx.expand(-1, new.shape[1], -1, new.shape[-1])
+        self.page_min.scatter_reduce_(2, idx, lo, "amin")
+        self.page_max.scatter_reduce_(2, idx, hi, "amax")
+        self.meta_len = total
+
+    def page_bounds(self, query: torch.Tensor) -> torch.Tensor:
+        """Upper bound of q·k over each page, max over the query heads of a GQA group: (B, H_kv, P).
+
+        ``query`` is (B, H, D); per channel max(q·min, q·max) bounds q_i k_i for every key in the page.
+        """
+        b, h_kv, _, d = self.page_min.shape
+        q = query.reshape(b, h_kv, -1, 1, d)  # (B, H_kv, g, 1, D): heads h_kv*g .. share KV head h_kv
+        filled = self.page_max >= self.page_min  # (B, H_kv, P, D); False only for empty pages
+        lo, hi = self.page_min.where(filled, 0)[:, :, None], self.page_max.where(filled, 0)[:, :, None]
+        bound = torch.maximum(q * lo, q * hi).sum(-1).amax(2)  # (B, H_kv, P)
+        return bound.masked_fill(~filled[..., 0], -math.inf)
+
+    # -- selection ----------------------------------------------------------------------------
+    def attend(self, query, key, value):
+        if query.shape[2] > 1 or self.page_min is None:
+            return super().attend(query, key, value)
+        self._view = (self._view[0], None)  # drop the transient validity reference
+        pages = self.select(query[:, :, 0])
+        idx, ok = self._tokens(pages, key.shape[-2])
+        self._count(pages, ok, key)
+        return _gather(key, idx), _gather(value, idx), ok[:, :, None, :]
+
+    def select(self, query: torch.Tensor) -> torch.Tensor:
+        """Pages this decode step reads, ascending, -1 for unused slots: (B, H_kv, k)."""
+        score = self.page_bounds(query)
+        real = score > -math.inf  # (B, H_kv, P) non-empty pages
+        forced = real & (real.cumsum(-1) <= self.policy.sink_blocks)
+        newest = self._page_of(torch.tensor([self.stored_length() - 1], device=self.device))  # (B, 1)
+        forced.scatter_(-1, newest[:, None].expand(-1, score.shape[1], -1), True)
+        k = self.policy.pages_to_read(real.sum(-1))  # (B, H_kv)
+        top = score.masked_fill(forced, math.inf).topk(int(k.max()), dim=-1).indices  # best first
+        top = top.masked_fill(torch.arange(top.shape[-1], device=self.device) >= k[..., None], -1)
+        return top.sort(dim=-1).values
+
+    def _tokens(self, pages: torch.Tensor, total: int):
+        """Token indices (B, H_kv, k * block_size) of ``pages`` and which of them are real."""
+        bs = self.policy.block_size
+        shift = torch.tensor(self.shift, device=self.device)[:, None, None, None]
+        t = (pages[..., None] * bs + torch.arange(bs, device=self.device) - shift).flatten(2)
+        ok = (pages[..., None] >= 0).expand(-1, -1, -1, bs).flatten(2) & (t >= 0) & (t < total)
+        t = t.clamp(0, total - 1)
+        if self.valid is not None:
+            ok &= self.valid.expand(-1, t.shape[1], -1).gather(-1, t)
+        return t, ok
+
+    def _count(self, pages: torch.Tensor, ok: torch.Tensor, key: torch.Tensor) -> None:
+        row_bytes = 2 * key.shape[-1] * key.element_size()  # one token of K and V, or one page min+max
+        b, h_kv, total, _ = key.shape
+        n_pages = int((self.page_max[..., 0] >= self.page_min[..., 0]).sum())
+        valid = self.valid if self.valid is not None else torch.ones(b, 1, total, dtype=torch.bool)
+        real = int(valid.sum()) * (h_kv // valid.shape[1])  # real tokens over rows and KV heads
+        c = self.counters
+        c["decode_steps"] += 1
+        c["pages_read"] += int((pages >= 0).sum())
+        c["pages_total"] += n_pages
+        c["kv_bytes_read"] += int(ok.sum()) * row_bytes
+        c["meta_bytes_read"] += n_pages * row_bytes
+        c["kv_bytes_full"] += real * row_bytes
+
+    def stats(self) -> dict:
+        c = self.counters
+        return {**super().stats(), **c, "pages_read_fraction": c["pages_read"] / max(c["pages_total"], 1)}
+
+
+def _grow(meta: torch.Tensor | None, like: torch.Tensor, n_pages: int, fill: float) -> torch.Tensor:
+    """``meta`` (B, H_kv, P, D) extended to ``n_pages`` pages filled with ``fill`` (a new tensor if grown)."""
+    have = 0 if meta is None else meta.shape[2]
+    if have >= n_pages:
+        return meta
+    b, h, _, d = like.shape
+    extra = torch.full((b, h, n_pages - have, d), fill, dtype=like.dtype, device=like.device)
+    return extra if meta is None else torch.cat([meta, extra], dim=2)
