@@ -58,7 +58,9 @@ def pyramid_fractions(keep: float, num_layers: int, beta: float) -> list[float]:
 class PyramidKVPolicy(Policy):
     """Give layer ``i`` a copy of ``policy`` whose budget shrinks with depth; the mean over layers is
     ``budget`` (or ``1 - compression_ratio`` of the tokens seen). ``beta`` sets the steepness: the last
-    layer gets ``1/beta`` of the mean (above the policy's reserved window)."""
+    layer gets ``1/beta`` of the mean (above the policy's reserved window). With ``compression_ratio``
+    the prompt length is unknown when layers are built, so the whole kept fraction is shaped (no window
+    is reserved) and layers that would keep more than everything are capped, their excess spread."""
 
     policy: object = field(default_factory=lambda: dict(_SNAPKV))
     budget: int | None = None
