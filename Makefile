@@ -36,10 +36,10 @@ bench-scores: install
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
-# Side-by-side of quantized caches (ours vs transformers' QuantizedCache); about 45 min on 2 busy CPU cores.
+# Side-by-side of quantized caches (ours vs transformers' QuantizedCache); about 80 min on 2 shared CPU cores.
 bench-quant: install
 	$(BIN)/pip install -q -e ".[bench]"
-	$(BIN)/python scripts/bench_quant.py --tokens 2048 --grid-chunk 8 --threads 1 --out outputs/bench_quant
+	$(BIN)/python scripts/bench_quant.py --tokens 2048 --grid-chunk 16 --threads 1 --out outputs/bench_quant
 
 clean:
 	rm -rf outputs multirun .pytest_cache

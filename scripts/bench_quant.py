@@ -8,7 +8,7 @@ continuing each row's filled cache, decode tokens/s. Ratios are against ``full``
 transformers' ``QuantizedCache`` rows run with the model's plain SDPA attention (our attention hook is
 switched off for them); kvcompress rows run through our registered attention function.
 
-Usage: python scripts/bench_quant.py [--tokens 2048] [--grid-chunk 8] [--threads 1] [--out DIR]
+Usage: python scripts/bench_quant.py [--tokens 2048] [--grid-chunk 16] [--threads 1] [--out DIR]
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def add_ratios(records: list[dict]) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=2048, help="tokens of the essays per row")
-    parser.add_argument("--grid-chunk", type=int, default=8, help="chunk_size of rows not pinned to 1")
+    parser.add_argument("--grid-chunk", type=int, default=16, help="chunk_size of rows not pinned to 1")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--decode-steps", type=int, default=16, help="timed decode steps per row and round")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved timing rounds")

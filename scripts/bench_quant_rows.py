@@ -31,7 +31,8 @@ class Row:
 
 def rows(grid_chunk: int) -> list[Row]:
     """``full``; ``quant`` bits 8/4/2 x group 32/64 x residual 0/128 (g32 r128 at chunk 1, the rest at
-    ``grid_chunk``), per-token keys as transformers groups them; transformers' fp8, quanto and hqq."""
+    ``grid_chunk``), int4 at 6 bits, per-token keys as transformers groups them; transformers' fp8, quanto
+    (chunk 1) and hqq (``grid_chunk``)."""
     out = [Row("full", "ours", "full")]
     for bits in (8, 4, 2):
         for group in (32, 64):
@@ -39,9 +40,11 @@ def rows(grid_chunk: int) -> list[Row]:
                 chunk = 1 if (group, residual) == (32, 128) else grid_chunk
                 params = dict(bits=bits, group_size=group, residual_length=residual)
                 out.append(Row(f"quant int{bits} g{group} r{residual}", "ours", "quant", params, chunk))
-    for bits in (4, 2):
+    # 6 bits per quantized element, as transformers' int4 spends with its float32 scales and shifts
+    out.append(Row("quant int4 g16 r128", "ours", "quant", dict(bits=4, group_size=16, residual_length=128)))
+    for bits in (4, 2):  # transformers' grouping of keys, to separate grouping from everything else
         params = dict(bits=bits, group_size=32, residual_length=128, key_axis="token")
-        out.append(Row(f"quant int{bits} g32 r128 keys-per-token", "ours", "quant", params, grid_chunk))
+        out.append(Row(f"quant int{bits} g32 r128 keys-per-token", "ours", "quant", params))
     out.append(Row("hf fp8 (per-tensor)", "hf", "fp8"))
     for bits in (4, 2):  # transformers' defaults: axis 0 (groups of consecutive channels of a token)
         params = dict(nbits=bits, q_group_size=32, residual_length=128)
