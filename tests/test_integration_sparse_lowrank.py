@@ -51,9 +51,10 @@ def test_reconstruction_error_on_real_keys_falls_with_rank(real_model, essay_ids
 
 def test_block_sparse_reads_a_fraction_and_stays_close_to_full(real_model, essay_ids):
     model, _ = real_model
-    full = decode_perplexity(model, essay_ids, build_cache("full", model), progress=False)
+    ids = essay_ids[:, :96]  # 12 pages of 8 at the end
+    full = decode_perplexity(model, ids, build_cache("full", model), progress=False)
     cache = build_cache("block_sparse", model, block_size=8, read_ratio=0.5)
-    sparse = decode_perplexity(model, essay_ids, cache, progress=False)
+    sparse = decode_perplexity(model, ids, cache, progress=False)
     reads = read_summary(cache.stats())
     assert 0.5 <= reads["pages_read_fraction"] < 0.65  # ceil() and the forced pages add a little
     assert reads["kv_bytes_read_per_step"] < 0.7 * reads["full_read_bytes_per_step"]
