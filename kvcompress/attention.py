@@ -16,6 +16,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
+from kvcompress.profiling import TIMER
+
 NAME = "kvcompress"
 BACKENDS = ("sdpa", "eager")
 _STATE = threading.local()
@@ -96,13 +98,16 @@ def window_scores(query, key, scaling: float, valid=None) -> torch.Tensor:
     """
     b, h, w, d = query.shape
     h_kv, t = key.shape[1], key.shape[2]
-    q = query.reshape(b, h_kv, h // h_kv, w, d).float()  # (B, H_kv, g, w, D): query heads of each group
-    logits = torch.matmul(q, key.float().unsqueeze(2).transpose(-1, -2)) * scaling  # (B, H_kv, g, w, T)
-    kpos = torch.arange(t, device=key.device)
-    allowed = kpos[None, :] <= (t - w + torch.arange(w, device=key.device))[:, None]  # (w, T) causal
-    if valid is not None:
-        allowed = allowed & valid[:, :, None, None, :]  # (B, h, 1, w, T)
-    logits = logits.masked_fill(~allowed, float("-inf"))
+    g = h // h_kv
+    q = query.reshape(b, h_kv, g * w, d).float()  # (B, H_kv, g*w, D): query heads of each group, stacked
+    logits = torch.matmul(q, key.float().transpose(-1, -2)).view(b, h_kv, g, w, t)  # no per-head key copy
+    logits.mul_(scaling)
+    if w > 1 or valid is not None:
+        kpos = torch.arange(t, device=key.device)
+        allowed = kpos[None, :] <= (t - w + torch.arange(w, device=key.device))[:, None]  # (w, T) causal
+        if valid is not None:
+            allowed = allowed & valid[:, :, None, None, :]  # (B, h, 1, w, T)
+        logits.masked_fill_(~allowed, float("-inf"))
     probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # fully masked rows (padding queries) become 0
     return probs.mean(dim=2)
 
@@ -111,15 +116,17 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     """Attention function registered as ``"kvcompress"``: query (B, H, q, D), key/value (B, H_kv, T, D)."""
     layer = _take_layer(module)
     if layer is not None:  # the layer may narrow what this query reads (Quest) and masks from its own state
-        key, value, attention_mask = layer.attend(query, key, value)
-        attention_mask = _expand_heads(attention_mask, query.shape[1])
+        with TIMER.measure():
+            key, value, attention_mask = layer.attend(query, key, value)
+            attention_mask = _expand_heads(attention_mask, query.shape[1])
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     if backend_of(module.config) == "eager":
         out, _ = eager_attention(module, query, key, value, attention_mask, scaling)
     else:
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     if layer is not None and layer.wants_scores:
-        layer.observe_attention(query, key, scaling)
+        with TIMER.measure():
+            layer.observe_attention(query, key, scaling)
     return out, None
 
 

@@ -42,6 +42,8 @@ def rows(grid_chunk: int) -> list[Row]:
                 out.append(Row(f"quant int{bits} g{group} r{residual}", "ours", "quant", params, chunk))
     # 6 bits per quantized element, as transformers' int4 spends with its float32 scales and shifts
     out.append(Row("quant int4 g16 r128", "ours", "quant", dict(bits=4, group_size=16, residual_length=128)))
+    params = dict(bits=4, group_size=16, residual_length=128, key_axis="token")
+    out.append(Row("quant int4 g16 r128 keys-per-token", "ours", "quant", params))
     for bits in (4, 2):  # transformers' grouping of keys, to separate grouping from everything else
         params = dict(bits=bits, group_size=32, residual_length=128, key_axis="token")
         out.append(Row(f"quant int{bits} g32 r128 keys-per-token", "ours", "quant", params))

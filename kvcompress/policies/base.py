@@ -14,6 +14,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvcompress import attention
+from kvcompress.policies.storage import Slots, gather_tokens
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class PolicyLayer(CacheLayerMixin):
         self.seen = 0
         self.evicted = 0
         self._view: tuple[int, torch.Tensor | None] | None = None
+        self.slots = Slots()  # growable keys/values buffers (storage.py)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -118,6 +120,7 @@ class PolicyLayer(CacheLayerMixin):
         self.keys = self.values = self.valid = None
         self.seen = self.evicted = 0
         self._view = None
+        self.slots.clear()
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -134,11 +137,8 @@ class PolicyLayer(CacheLayerMixin):
         """Concatenate the new tokens; returns keys, values (B, H_kv, T, D) and validity (B, h, T) or None."""
         b, _, q, _ = key_states.shape
         valid = _cat_valid(self.valid, new_valid, self.stored_length(), b, q, key_states.device)
-        if self.keys is None:
-            self.keys, self.values = key_states, value_states
-        else:
-            self.keys = torch.cat([self.keys, key_states], dim=-2)
-            self.values = torch.cat([self.values, value_states], dim=-2)
+        self.keys = self.slots.extend("keys", self.keys, key_states)  # in place when the buffer has room
+        self.values = self.slots.extend("values", self.values, value_states)
         self.valid = valid
         return self.keys, self.values, valid
 
@@ -155,7 +155,10 @@ class PolicyLayer(CacheLayerMixin):
         """Keep only the tokens ``idx`` (B, 1 or H_kv, k), sorted; copies so evicted storage is freed."""
         before = self.stored_length()
         idx = idx.sort(dim=-1).values
-        self.keys, self.values = _gather(self.keys, idx), _gather(self.values, idx)
+        self.keys, self.values = (
+            self.slots.take("keys", self.keys, idx),
+            self.slots.take("values", self.values, idx),
+        )
         if self.valid is not None:  # shared (B, 1, T) validity turns per head when heads differ
             h = max(self.valid.shape[1], idx.shape[1])
             self.valid = self.valid.expand(-1, h, -1).gather(-1, idx.expand(-1, h, -1))
@@ -216,6 +219,4 @@ def _cat_valid(old, new, stored: int, batch: int, q: int, device):
 
 def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """Gather tokens ``idx`` (B, h, k) from x (B, H, T, D); h is 1 or H."""
-    b, h, _, d = x.shape
-    idx = idx.expand(b, h, -1) if idx.shape[1] != h else idx
-    return x.gather(2, idx[..., None].expand(-1, -1, -1, d))
+    return gather_tokens(x, idx)

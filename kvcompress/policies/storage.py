@@ -1,0 +1,110 @@
+"""Growable token storage for cache layers: append in place, evict with one fast row copy.
+
+``torch.cat`` on every decode step copies the whole cache (O(T) per token), and ``Tensor.gather`` over
+``(B, H, T, D)`` indexes element by element. A layer's keys/values instead live in a buffer with a little
+headroom along T (``headroom``: 1/128 of the tokens, so ``memory_bytes()`` is at most 0.8% above the
+tokens stored; the headroom is real memory and is counted, since the view keeps the whole buffer alive).
+Appends write into the headroom; when it is used up the buffer is reallocated with new headroom
+(amortised O(128) tokens per step). Eviction copies the kept rows with one ``index_select`` into a fresh
+buffer, so evicted tokens are freed.
+
+A buffer is only written in place when the layer allocated it (``Slots`` records the storage pointer) and
+the tensor is a leading slice of it, so a tensor handed in by the model is never written to.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def headroom(n_tokens: int) -> int:
+    """Spare token slots allocated with ``n_tokens`` (0 below 128 tokens: small caches stay exact)."""
+    return n_tokens // 128
+
+
+def _capacity(x: torch.Tensor) -> int:
+    """Token slots of the buffer behind ``x`` (B, H, n, D) if ``x`` is a leading slice of it, else n."""
+    b, h, n, d = x.shape
+    size = x.element_size()
+    cap, rest = divmod(x.untyped_storage().nbytes(), b * h * d * size)
+    ok = x.storage_offset() == 0 and rest == 0 and cap >= n and x.stride(3) == 1
+    ok = ok and (n == 1 or x.stride(2) == d) and (h == 1 or x.stride(1) == cap * d)
+    ok = ok and (b == 1 or x.stride(0) == h * cap * d)
+    return cap if ok else n
+
+
+class Slots:
+    """Per-layer record of the buffers this layer allocated (by name), and the operations on them."""
+
+    def __init__(self):
+        self._owned: dict[str, int] = {}
+
+    def clear(self) -> None:
+        self._owned.clear()
+
+    def _alloc(self, name: str, like: torch.Tensor, n: int) -> torch.Tensor:
+        b, h, _, d = like.shape
+        buf = torch.empty(b, h, n + headroom(n), d, dtype=like.dtype, device=like.device)
+        self._owned[name] = buf.untyped_storage().data_ptr()
+        return buf
+
+    def room(self, name: str, x: torch.Tensor) -> int:
+        """Free slots after ``x`` in a buffer this layer owns (0 for any other tensor)."""
+        if self._owned.get(name) != x.untyped_storage().data_ptr():
+            return 0
+        return _capacity(x) - x.shape[2]
+
+    def store(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """Adopt a foreign tensor as is (no copy): it will never be written in place."""
+        self._owned.pop(name, None)
+        return x
+
+    def extend(self, name: str, x: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+        """``x`` (B, H, n, D) followed by ``new`` (B, H, q, D); in place when there is room."""
+        if x is None:
+            return self.store(name, new)
+        n, q = x.shape[2], new.shape[2]
+        if self.room(name, x) >= q:
+            out = x.as_strided((*x.shape[:2], n + q, x.shape[3]), x.stride())
+        else:
+            out = self._alloc(name, x, n + q)[:, :, : n + q]
+            out[:, :, :n] = x
+        out[:, :, n:] = new
+        return out
+
+    def take(self, name: str, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Rows ``idx`` (B, 1 or H, k) of ``x`` (B, H, T, D), copied into a fresh buffer (x is freed)."""
+        k = idx.shape[-1]
+        buf = gather_tokens(x, idx, headroom(k))
+        self._owned[name] = buf.untyped_storage().data_ptr()
+        return buf[:, :, :k]
+
+
+def gather_tokens(x: torch.Tensor, idx: torch.Tensor, extra: int = 0) -> torch.Tensor:
+    """Tokens ``idx`` (B, 1 or H, k) of ``x`` (B, H, T, D) as a new contiguous (B, H, k + extra, D).
+
+    One ``index_select`` over rows of D (several times faster than ``gather`` on CPU); the ``extra``
+    trailing slots hold copies of token 0, for the caller to overwrite.
+    """
+    b, h, t, d = x.shape
+    idx = idx.expand(b, h, -1)
+    rows = _rows(x)
+    if rows is None:  # an arbitrary layout: the element-wise gather
+        out = x.gather(2, idx[..., None].expand(-1, -1, -1, d))
+        return torch.cat([out, x[:, :, :1].expand(-1, -1, extra, -1)], dim=2) if extra else out
+    stride = rows.shape[0] // (b * h)
+    if extra:
+        idx = torch.cat([idx, idx.new_zeros(b, h, extra)], dim=-1)
+    flat = idx + torch.arange(b * h, device=x.device).view(b, h, 1) * stride  # (B, H, k + extra)
+    return rows.index_select(0, flat.view(-1)).view(b, h, -1, d)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` (B, H, T, D) as (B * H * cap, D) rows of its buffer (cap >= T), or None if not so laid out."""
+    b, h, t, d = x.shape
+    if x.is_contiguous():
+        return x.view(-1, d)
+    cap = _capacity(x)
+    if cap == t:
+        return None
+    return x.as_strided((b * h * cap, d), (d, 1))
