@@ -33,6 +33,14 @@ SMALL = {
     "tova": {"budget": 12, "compression_ratio": None},
     "pyramidkv": {"budget": 12, "compression_ratio": None, "beta": 4},
     "block_sparse": {"block_size": 4, "top_k_blocks": 3},
+    "block_evict": {
+        "block_size": 4,
+        "budget": 16,
+        "keep_ratio": None,
+        "sink_tokens": 2,
+        "recent": 4,
+        "window": 4,
+    },
     "low_rank": {"rank": 4, "residual_length": 4, "calibration_text": "random", "calibration_tokens": 64},
     "window_schedule": {
         "default": {"_target_": "kvcompress.policies.SlidingWindowPolicy", "sink_tokens": 2, "window": 12}

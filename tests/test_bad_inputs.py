@@ -72,6 +72,26 @@ BAD = [
     ),
     ("block size", lambda m, p: make_policy("block_sparse", block_size=0), "block_sparse.block_size=0"),
     (
+        "block_evict budget below protected blocks",
+        lambda m, p: make_policy("block_evict", budget=96, keep_ratio=None),
+        r"block_evict.budget=96 is below 128 = \(sink blocks 1 \+ recent blocks 2 \+ 1\) x block_size=32",
+    ),
+    (
+        "block_evict budget and keep_ratio",
+        lambda m, p: make_policy("block_evict", budget=512),
+        "block_evict: set exactly one of budget .* got budget=512, keep_ratio=0.5",
+    ),
+    (
+        "block_evict keep_ratio 0",
+        lambda m, p: make_policy("block_evict", keep_ratio=0),
+        r"block_evict.keep_ratio=0 must be in \(0, 1\]",
+    ),
+    (
+        "block_evict block_size 0",
+        lambda m, p: make_policy("block_evict", block_size=0),
+        "block_evict.block_size=0 must be an integer >= 1",
+    ),
+    (
         "schedule layer",
         lambda m, p: build_cache(
             "window_schedule",

@@ -51,6 +51,19 @@ PARAMS = {
     "block_sparse": st.fixed_dictionaries(
         {"block_size": st.integers(1, 8), "top_k_blocks": st.integers(1, 6)}
     ),
+    "block_evict": st.fixed_dictionaries(
+        {
+            "block_size": st.integers(1, 8),
+            "sink_tokens": st.integers(0, 6),
+            "recent": st.integers(0, 10),
+            "window": st.integers(1, 8),
+        }
+    ).flatmap(
+        lambda p: st.one_of(
+            st.fixed_dictionaries({"budget": st.integers(1, 60), "keep_ratio": st.none()}),
+            st.fixed_dictionaries({"budget": st.none(), "keep_ratio": st.floats(0.05, 1.0)}),
+        ).map(lambda b: {**p, **b})
+    ),
     "low_rank": st.fixed_dictionaries(
         {
             "rank": st.integers(1, 16),

@@ -59,3 +59,17 @@ def test_block_sparse_reads_a_fraction_and_stays_close_to_full(real_model, essay
     assert 0.5 <= reads["pages_read_fraction"] < 0.65  # ceil() and the forced pages add a little
     assert reads["kv_bytes_read_per_step"] < 0.7 * reads["full_read_bytes_per_step"]
     assert full["perplexity"] * 0.9 < sparse["perplexity"] < full["perplexity"] * 1.5
+
+
+def test_block_evict_keeps_whole_blocks_under_budget_close_to_full(real_model, essay_ids):
+    model, _ = real_model
+    ids = essay_ids[:, :96]
+    full_cache = build_cache("full", model)
+    full = decode_perplexity(model, ids, full_cache, progress=False)
+    cache = build_cache("block_evict", model, block_size=8, budget=48, keep_ratio=None, recent=8)
+    evict = decode_perplexity(model, ids, cache, progress=False)
+    stats = cache.stats()
+    # 95 tokens seen: sink block 0 + recent blocks 10, 11 (80..94: 15 tokens) + 3 scored blocks = 47
+    assert all(s["tokens_stored"] == 47 and s["blocks_stored"] == 6 for s in stats)
+    assert cache.memory_bytes() < 0.52 * full_cache.memory_bytes()
+    assert full["perplexity"] * 0.9 < evict["perplexity"] < full["perplexity"] * 1.5

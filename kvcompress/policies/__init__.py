@@ -1,6 +1,7 @@
 """Policy families, one module each; ``conf/policy/<name>.yaml`` plus this export line is the registry."""
 
 from kvcompress.policies.base import ModelSpec, Policy, PolicyLayer
+from kvcompress.policies.block_evict import BlockEvictPolicy
 from kvcompress.policies.block_sparse import BlockSparsePolicy
 from kvcompress.policies.eviction import EvictionPolicy
 from kvcompress.policies.full import FullPolicy
@@ -27,5 +28,6 @@ __all__ = [
     "SnapKVPolicy",
     "TOVAPolicy",
     "BlockSparsePolicy",
+    "BlockEvictPolicy",
     "LowRankPolicy",
 ]
