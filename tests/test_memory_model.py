@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import POLICY_NAMES, SMALL, make_tiny
+from omegaconf import OmegaConf
 
 from kvcompress import build_cache, make_policy
 from kvcompress.cache import model_spec
 from kvcompress.memory_model import predicted_bytes
+from kvcompress.tasks import bench
 
 _SNAP = "kvcompress.policies.SnapKVPolicy"
 
@@ -98,3 +101,40 @@ def test_short_sequences_match_exactly(name, params):
     if predicted is None:
         pytest.skip(f"the memory model has no formula for {name}")
     assert measured == predicted  # below 128 stored tokens no buffer has headroom
+
+
+class CharTokenizer:
+    def __call__(self, text, return_tensors=None):
+        return SimpleNamespace(input_ids=torch.tensor([[ord(c) % 90 + 2 for c in text]]))
+
+
+def test_bench_rows_report_predicted_bytes(tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 10)
+    cfg = OmegaConf.create(
+        dict(
+            policies=["quant", "h2o"],
+            policy_overrides={"quant": SMALL["quant"]},
+            peers=["dynamic"],
+            lengths=[40, 300],
+            text=str(text),
+            decode_tokens=3,
+            warmup=0,
+            repeats=1,
+            progress=False,
+        )
+    )
+    model = make_tiny("llama")
+    rows = bench.run(model, CharTokenizer(), None, cfg)["rows"]
+    by = {(r["cache"], r["context"]): r for r in rows}
+    for name in ("full", "quant", "h2o"):
+        expected = predicted_bytes(
+            make_policy(name, **cfg.policy_overrides.get(name, {})), model_spec(model), 300, 4, 1, 3
+        )
+        assert by[(name, 300)]["predicted_bytes"] == expected
+        assert 1.0 <= by[(name, 300)]["bytes_vs_predicted"] <= 1.008  # headroom of the growable buffers
+        assert by[(name, 40)]["bytes_vs_predicted"] == 1.0
+    assert (
+        by[("dynamic", 300)]["predicted_bytes"] is None and by[("dynamic", 300)]["bytes_vs_predicted"] is None
+    )
+    assert "bytes_vs_predicted" in capsys.readouterr().out.splitlines()[0]

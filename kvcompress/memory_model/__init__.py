@@ -18,6 +18,6 @@ e.g. ``block_evict`` if it derives from an eviction policy) gives ``None``, neve
 """
 
 from kvcompress.memory_model import dense, eviction  # noqa: F401  (register the formulas)
-from kvcompress.memory_model.core import Shape, formula, layer_policy_of, predicted_bytes
+from kvcompress.memory_model.core import Shape, formula, layer_policy_of, predicted_bytes, predicted_for_model
 
-__all__ = ["Shape", "formula", "layer_policy_of", "predicted_bytes"]
+__all__ = ["Shape", "formula", "layer_policy_of", "predicted_bytes", "predicted_for_model"]

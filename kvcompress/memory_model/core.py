@@ -75,6 +75,13 @@ def predicted_bytes(
     return total
 
 
+def predicted_for_model(policy, model, n_tokens: int, decode_tokens: int = 0, batch: int = 1) -> int | None:
+    """``predicted_bytes`` with the shape and dtype read from a loaded ``model``."""
+    from kvcompress.cache import model_spec
+
+    return predicted_bytes(policy, model_spec(model), n_tokens, model.dtype.itemsize, batch, decode_tokens)
+
+
 def _check_inputs(n_tokens, dtype_bytes, batch, decode_tokens) -> None:
     for field, value, low in (
         ("n_tokens", n_tokens, 1),
