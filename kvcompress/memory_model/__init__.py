@@ -12,9 +12,10 @@ keys/values in growable buffers (``policies/storage.py``) with ``headroom(t) = t
 slots, real memory that ``memory_bytes()`` counts; the prediction counts the tokens a policy keeps, so
 a measurement may exceed it by up to 1/128 (0.8%), and equals it below 128 stored tokens.
 
-Policies are matched by exact type: a policy this module has no formula for (a subclass included,
-e.g. ``block_evict`` if it derives from an eviction policy) gives ``None``, never a guess. So does a
-``low_rank`` policy with ``energy`` (its ranks come from calibration data, not its parameters).
+Policies are matched by exact type: a policy this module has no formula for (a subclass of a known
+one included; so far ``block_evict``) gives ``None``, never a guess. So does a ``low_rank`` policy with
+``energy`` (its ranks come from calibration data, not its parameters). Without padding no layer holds a
+validity mask, so none is counted.
 """
 
 from kvcompress.memory_model import dense, eviction  # noqa: F401  (register the formulas)
