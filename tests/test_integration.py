@@ -37,7 +37,8 @@ def test_window_perplexity_close_to_full_and_memory_follows_budget(real_model, e
     window = decode_perplexity(model, essay_ids, window_cache, chunk_size=4, progress=False)
     assert 1.0 < full["perplexity"] < 100
     assert full["perplexity"] * 0.9 < window["perplexity"] < full["perplexity"] * 1.6
-    assert window_cache.memory_bytes() / full_cache.memory_bytes() == pytest.approx(64 / 191, rel=1e-6)
+    # full's growable buffer holds t // 128 spare token slots (policies/storage.py): up to 0.8% more
+    assert window_cache.memory_bytes() / full_cache.memory_bytes() == pytest.approx(64 / 191, rel=0.008)
 
 
 def test_cli_writes_results_record(tmp_path):

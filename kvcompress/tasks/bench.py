@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from kvcompress import attention
 from kvcompress.cache import PEERS, build_cache, held_bytes, known_policies, make_policy, peer_cache
 from kvcompress.guard import check_fits
+from kvcompress.memory_model import predicted_for_model
 from kvcompress.metrics.memory import peak_rss_bytes
 from kvcompress.metrics.speed import _sync
 from kvcompress.profiling import timing
@@ -25,7 +26,7 @@ from kvcompress.tasks.perplexity import text_tokens
 
 BENCH_COLUMNS = [
     "cache", "context", "ttft_s", "decode_tok_s", "policy_overhead", "cache_bytes",
-    "ttft_vs_full", "decode_vs_full", "bytes_vs_full",
+    "ttft_vs_full", "decode_vs_full", "bytes_vs_full", "predicted_bytes", "bytes_vs_predicted",
 ]  # fmt: skip
 
 
@@ -90,6 +91,17 @@ def _summarise(samples: dict, decode_tokens: int) -> list[dict]:
     return sorted(rows, key=lambda r: (r["context"], r["cache"] != "full", r["cache"]))
 
 
+def _add_predictions(rows: list[dict], contenders: dict, model, decode_tokens: int) -> None:
+    """The memory model's bytes for each row's policy at its context and decode tokens (``predicted_bytes``)
+    and measured / predicted (``bytes_vs_predicted``); None for transformers' caches and unknown policies."""
+    for row in rows:
+        policy, pred = contenders[row["cache"]], None
+        if not isinstance(policy, str):  # a peer cache is named by a string
+            pred = predicted_for_model(policy, model, row["context"], decode_tokens)
+        row["predicted_bytes"] = pred
+        row["bytes_vs_predicted"] = row["cache_bytes"] / pred if pred else None
+
+
 def run(model, tokenizer, policy, cfg) -> dict:
     """Interleaved benchmark over ``cfg.lengths`` x contenders; returns rows and the process peak RSS."""
     attention.install(model)
@@ -110,5 +122,6 @@ def run(model, tokenizer, policy, cfg) -> dict:
         del cache
     attention.install(model)
     rows = _summarise(samples, cfg.decode_tokens)
+    _add_predictions(rows, contenders, model, cfg.decode_tokens)
     print(markdown_table(rows, BENCH_COLUMNS))
     return {"rows": rows, "peak_rss_bytes": peak_rss_bytes(), "decode_tokens": cfg.decode_tokens}
