@@ -79,6 +79,8 @@ def measured_and_predicted(name, params, n_tokens, decode_tokens, dtype, batch=1
     for t in range(n_tokens, n_tokens + decode_tokens):
         model(ids[:, t : t + 1], cache=cache, use_cache=True)
     size = torch.empty((), dtype=dtype).element_size()
+    spec = model_spec(model)
+    measured_and_predicted.slot_bytes = 2 * batch * spec.num_layers * spec.num_kv_heads * spec.head_dim * size
     return cache.memory_bytes(), predicted_bytes(
         policy, model_spec(model), n_tokens, size, batch, decode_tokens
     )
@@ -90,8 +92,10 @@ def test_long_sequences_within_headroom_of_prediction(name, params, dtype):
     measured, predicted = measured_and_predicted(name, params, 420, 13, dtype)
     if predicted is None:
         pytest.skip(f"the memory model has no formula for {name} (it returns None rather than guess)")
-    # the growable buffers' headroom (t // 128 spare slots) is the only difference: 0 to 0.8% above
-    assert predicted <= measured <= predicted * 1.008
+    # the growable buffers' headroom (t // 128 spare slots, plus the slot H2O/TOVA reuse after an in-place
+    # eviction) is the only difference: 0 to 0.8% above, plus at most one token slot
+    one_slot = measured_and_predicted.slot_bytes
+    assert predicted <= measured <= predicted * 1.008 + one_slot
     assert measured == pytest.approx(predicted, rel=0.02)
 
 
@@ -132,7 +136,8 @@ def test_bench_rows_report_predicted_bytes(tmp_path, capsys):
             make_policy(name, **cfg.policy_overrides.get(name, {})), model_spec(model), 300, 4, 1, 3
         )
         assert by[(name, 300)]["predicted_bytes"] == expected
-        assert 1.0 <= by[(name, 300)]["bytes_vs_predicted"] <= 1.008  # headroom of the growable buffers
+        # headroom of the growable buffers (0.8%) and H2O's reused eviction slot: within the 2% target
+        assert 1.0 <= by[(name, 300)]["bytes_vs_predicted"] <= 1.02
         assert by[(name, 40)]["bytes_vs_predicted"] == 1.0
     assert (
         by[("dynamic", 300)]["predicted_bytes"] is None and by[("dynamic", 300)]["bytes_vs_predicted"] is None

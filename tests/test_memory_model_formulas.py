@@ -52,10 +52,10 @@ def test_mixed_precision_sums_its_layers(spec):
     assert predicted_bytes("mixed_precision", spec, 1024, BF16) == 2 * full + 18 * int8 + 10 * int4
 
 
-def test_h2o_ratio_keeps_half_plus_float32_accumulator(spec):
+def test_h2o_ratio_keeps_half_plus_float32_accumulator_and_int32_position(spec):
     kept = 503  # int(1007 * 0.5): the target tracks every token seen, prompt and decode
     got = predicted_bytes(make_policy("h2o", compression_ratio=0.5), spec, 1000, BF16, decode_tokens=7)
-    assert got == kv_bytes(kept) + 30 * 3 * kept * 4
+    assert got == kv_bytes(kept) + 30 * 3 * kept * (4 + 4)
 
 
 def test_snapkv_slack_recompresses_and_holds_queries(spec):

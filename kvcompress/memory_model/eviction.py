@@ -11,6 +11,7 @@ from kvcompress.memory_model.core import Shape, formula
 from kvcompress.policies import EvictionPolicy, H2OPolicy, SnapKVPolicy, TOVAPolicy
 
 ACC_BYTES = 4  # H2O's accumulator is float32 whatever the model dtype
+POS_BYTES = 4  # and its int32 position of each stored token (the recent window is found by position)
 
 
 def kept_every_step(p: EvictionPolicy, t: int) -> int:
@@ -29,10 +30,11 @@ def _tova(p: TOVAPolicy, s: Shape) -> int:
 
 @formula(H2OPolicy)
 def _h2o(p: H2OPolicy, s: Shape) -> int:
-    """H2O evicts at every step and keeps one float32 accumulated score per kept token and KV head:
-    ``kv(k) + 4 * B * H_kv * k`` with ``k = min(T, keep_count(T))`` (``recent`` splits k, not adds)."""
+    """H2O evicts at every step and keeps one float32 accumulated score and one int32 position per kept
+    token and KV head: ``kv(k) + 8 * B * H_kv * k`` with ``k = min(T, keep_count(T))`` (``recent`` splits
+    k, not adds)."""
     k = kept_every_step(p, s.total)
-    return s.kv(k) + ACC_BYTES * s.batch * s.kv_heads * k
+    return s.kv(k) + (ACC_BYTES + POS_BYTES) * s.batch * s.kv_heads * k
 
 
 @formula(SnapKVPolicy)

@@ -14,6 +14,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvcompress import attention
+from kvcompress.policies import storage
 from kvcompress.policies.storage import Slots, gather_tokens
 
 
@@ -151,10 +152,13 @@ class PolicyLayer(CacheLayerMixin):
     def stored_length(self) -> int:
         return 0 if self.keys is None else self.keys.shape[-2]
 
-    def keep(self, idx: torch.Tensor) -> None:
-        """Keep only the tokens ``idx`` (B, 1 or H_kv, k), sorted; copies so evicted storage is freed."""
+    def keep(self, idx: torch.Tensor, is_sorted: bool = False) -> torch.Tensor:
+        """Keep only the tokens ``idx`` (B, 1 or H_kv, k); copies so evicted storage is freed.
+
+        Returns the kept indices in stored order (``idx`` sorted unless ``is_sorted`` says it already is).
+        """
         before = self.stored_length()
-        idx = idx.sort(dim=-1).values
+        idx = idx if is_sorted else idx.sort(dim=-1).values
         self.keys, self.values = (
             self.slots.take("keys", self.keys, idx),
             self.slots.take("values", self.values, idx),
@@ -163,6 +167,35 @@ class PolicyLayer(CacheLayerMixin):
             h = max(self.valid.shape[1], idx.shape[1])
             self.valid = self.valid.expand(-1, h, -1).gather(-1, idx.expand(-1, h, -1))
         self.evicted += before - idx.shape[-1]
+        return idx
+
+    def drop_one(self, slot: torch.Tensor) -> bool:
+        """Evict token ``slot`` (B, 1 or H_kv, 1) of every row and head by moving the newest token into its
+        place: one row copied instead of the whole cache, stored order not kept (only for policies whose
+        decisions never depend on it). The hole's slot stays allocated for the next token: one spare slot
+        on top of the buffer's headroom. Returns False, doing nothing, when not possible in place: padding
+        stored, a cache under 128 tokens (no headroom: small caches stay exact) or a foreign buffer."""
+        if self.valid is not None or storage.headroom(self.keys.shape[2]) == 0:
+            return False
+        if not (self.slots.owns("keys", self.keys) and self.slots.owns("values", self.values)):
+            return False
+        b, h, t, _ = self.keys.shape
+        rows = torch.arange(b, device=self.device).view(b, 1)
+        heads = torch.arange(h, device=self.device).view(1, h)
+        j = slot.expand(b, h, 1)[..., 0]  # (B, H_kv)
+        for name in ("keys", "values"):
+            x = getattr(self, name)
+            x[rows, heads, j] = x[:, :, t - 1].clone()  # (B, H_kv, D): the newest token fills the hole
+            setattr(self, name, x[:, :, : t - 1])
+        self.evicted += 1
+        return True
+
+    def keep_spans(self, spans: list[tuple[int, int]]) -> None:
+        """Keep only the token ranges ``[a, b)`` (the same in every row and head; no padding stored)."""
+        before = self.stored_length()
+        self.keys = self.slots.take_spans("keys", self.keys, spans)
+        self.values = self.slots.take_spans("values", self.values, spans)
+        self.evicted += before - self.keys.shape[-2]
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.keys, self.values, self.valid]

@@ -62,6 +62,7 @@ class EvictionLayer(PolicyLayer):
     """A dense layer that evicts from attention scores (``observe_attention``) instead of ``compress``."""
 
     wants_scores = True
+    order_free = False  # True: no decision depends on stored order, so evicting one token may reorder
 
     def __init__(self, policy, layer_idx, spec):
         super().__init__(policy, layer_idx, spec)
@@ -88,13 +89,18 @@ class EvictionLayer(PolicyLayer):
             protect: the last ``protect`` positions are kept first (recent / observation window).
         """
         t = scores.shape[-1]
+        if t - k == 1 and self.valid is None and protect < t:  # decode: drop one token, no top-k or sort
+            worst = scores[..., : t - protect].argmin(dim=-1, keepdim=True)  # (B, h, 1)
+            if self.order_free and protect == 0 and self.drop_one(worst):
+                return worst
+            ar = torch.arange(t - 1, device=scores.device)
+            idx = ar + (ar >= worst).long()  # (B, h, t - 1): every position but the worst, in order
+            return self.keep(idx, is_sorted=True)
         pos = torch.arange(t, device=scores.device, dtype=torch.float64)
         prio = torch.where(pos >= t - protect, _BIG + pos, scores.double())  # newest protected win ties
         if self.valid is not None:
             prio = torch.where(self.valid, prio, -_BIG + pos)  # padding only fills what real tokens cannot
-        idx = prio.topk(min(k, t), dim=-1).indices.sort(dim=-1).values  # (B, h, k)
-        self.keep(idx)
-        return idx
+        return self.keep(prio.topk(min(k, t), dim=-1).indices)  # (B, h, k), sorted by keep
 
     def stats(self) -> dict:
         return {**super().stats(), "target": self.target()}

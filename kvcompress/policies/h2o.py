@@ -12,7 +12,7 @@ import torch
 
 from kvcompress.attention import window_scores
 from kvcompress.policies.base import ModelSpec
-from kvcompress.policies.eviction import EvictionLayer, EvictionPolicy
+from kvcompress.policies.eviction import _BIG, EvictionLayer, EvictionPolicy
 
 
 @dataclass
@@ -49,16 +49,24 @@ class H2OPolicy(EvictionPolicy):
 
 
 class H2OLayer(EvictionLayer):
-    """Holds the accumulated scores ``acc`` (B, H_kv, T) float32 next to the keys they rank."""
+    """Holds the accumulated scores ``acc`` (B, H_kv, T) float32 and each stored token's position ``pos``
+    (B, H_kv, T) int32 next to the keys they rank. The recent window is found by position, not by stored
+    order, so a decode step's single eviction moves the newest token into the hole (O(1), ``drop_one``)."""
+
+    order_free = True
 
     def __init__(self, policy, layer_idx, spec):
         super().__init__(policy, layer_idx, spec)
         self.acc: torch.Tensor | None = None
+        self.pos: torch.Tensor | None = None
 
     def append(self, key_states, value_states, new_valid):
         b, h, q, _ = key_states.shape
         zeros = torch.zeros(b, h, q, dtype=torch.float32, device=key_states.device)
+        new_pos = torch.arange(self.seen, self.seen + q, dtype=torch.int32, device=key_states.device)
+        new_pos = new_pos.expand(b, h, q)
         self.acc = zeros if self.acc is None else torch.cat([self.acc, zeros], dim=-1)
+        self.pos = new_pos.clone() if self.pos is None else torch.cat([self.pos, new_pos], dim=-1)
         return super().append(key_states, value_states, new_valid)
 
     def observe_attention(self, query, key, scaling: float) -> None:
@@ -67,20 +75,37 @@ class H2OLayer(EvictionLayer):
         k = self.target()
         if self.stored_length() > k:
             recent = k // 2 if self.policy.recent is None else self.policy.recent
-            self.select(self.acc, k, protect=recent)
+            protected = self.pos >= self.seen - recent  # the `recent` newest positions, wherever stored
+            if self.stored_length() - k == 1 and self.valid is None:  # decode: argmin, ties irrelevant
+                self.select(self.acc.masked_fill(protected, float("inf")), k)
+            else:  # protected first, newest winning ties among them
+                self.select(torch.where(protected, _BIG + self.pos.double(), self.acc.double()), k)
 
-    def keep(self, idx: torch.Tensor) -> None:
-        super().keep(idx)
-        self.acc = self.acc.gather(-1, idx.sort(dim=-1).values.expand(-1, self.acc.shape[1], -1))
+    def keep(self, idx: torch.Tensor, is_sorted: bool = False) -> torch.Tensor:
+        idx = super().keep(idx, is_sorted)
+        self.acc = self.acc.gather(-1, idx.expand(-1, self.acc.shape[1], -1))
+        self.pos = self.pos.gather(-1, idx.expand(-1, self.pos.shape[1], -1))
+        return idx
+
+    def drop_one(self, slot: torch.Tensor) -> bool:
+        if not super().drop_one(slot):
+            return False
+        t = self.acc.shape[-1]
+        for name in ("acc", "pos"):
+            x = getattr(self, name)
+            x.scatter_(-1, slot.expand(-1, x.shape[1], -1), x[..., t - 1 :].clone())
+            setattr(self, name, x[..., : t - 1])
+        return True
 
     def reorder_cache(self, beam_idx) -> None:
         super().reorder_cache(beam_idx)
         if self.acc is not None:
             self.acc = self.acc.index_select(0, beam_idx.to(self.acc.device))
+            self.pos = self.pos.index_select(0, beam_idx.to(self.pos.device))
 
     def reset(self) -> None:
         super().reset()
-        self.acc = None
+        self.acc = self.pos = None
 
     def tensors(self) -> list[torch.Tensor]:
-        return [*super().tensors(), self.acc]
+        return [*super().tensors(), self.acc, self.pos]

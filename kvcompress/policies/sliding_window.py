@@ -47,10 +47,8 @@ class SlidingWindowLayer(PolicyLayer):
         total, budget = self.stored_length(), self.policy.budget
         if total <= budget:
             return
-        if self.valid is None:  # no padding: sinks are the first tokens, one slice each
-            sinks, recent = self.policy.sink_tokens, self.policy.window
-            idx = torch.cat([torch.arange(sinks), torch.arange(total - recent, total)]).to(self.device)
-            self.keep(idx[None, None].expand(self.keys.shape[0], 1, -1))
+        if self.valid is None:  # no padding: sinks are the first tokens, two slice copies
+            self.keep_spans([(0, self.policy.sink_tokens), (total - self.policy.window, total)])
             return
         self.keep(self._priority(total).topk(budget, dim=-1).indices)
 

@@ -50,9 +50,11 @@ class Slots:
 
     def room(self, name: str, x: torch.Tensor) -> int:
         """Free slots after ``x`` in a buffer this layer owns (0 for any other tensor)."""
-        if self._owned.get(name) != x.untyped_storage().data_ptr():
-            return 0
-        return _capacity(x) - x.shape[2]
+        return _capacity(x) - x.shape[2] if self.owns(name, x) else 0
+
+    def owns(self, name: str, x: torch.Tensor) -> bool:
+        """Whether ``x`` lives in a buffer this layer allocated (so it may be written in place)."""
+        return self._owned.get(name) == x.untyped_storage().data_ptr()
 
     def store(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """Adopt a foreign tensor as is (no copy): it will never be written in place."""
@@ -77,6 +79,17 @@ class Slots:
         k = idx.shape[-1]
         buf = gather_tokens(x, idx, headroom(k))
         self._owned[name] = buf.untyped_storage().data_ptr()
+        return buf[:, :, :k]
+
+    def take_spans(self, name: str, x: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+        """Token ranges ``[a, b)`` of ``x`` (B, H, T, D), concatenated into a fresh buffer (x is freed);
+        plain slice copies, no index tensor."""
+        k = sum(b - a for a, b in spans)
+        buf = self._alloc(name, x, k)
+        at = 0
+        for a, b in spans:
+            buf[:, :, at : at + b - a] = x[:, :, a:b]
+            at += b - a
         return buf[:, :, :k]
 
 

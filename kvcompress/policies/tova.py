@@ -23,7 +23,10 @@ class TOVAPolicy(EvictionPolicy):
 
 
 class TOVALayer(EvictionLayer):
-    """Stateless besides the keys/values: the scores come from the current query only."""
+    """Stateless besides the keys/values: the scores come from the current query only, so stored order
+    never matters and a decode step's single eviction moves the newest token into the hole (O(1))."""
+
+    order_free = True
 
     def observe_attention(self, query, key, scaling: float) -> None:
         k = self.target()

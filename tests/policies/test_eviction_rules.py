@@ -41,8 +41,9 @@ def step(layer, start: int, stop: int, q: torch.Tensor) -> None:
 
 
 def kept(layer) -> list:
-    """Original token ids kept, per row and head (the one-hot position of each stored key)."""
-    return layer.keys.argmax(-1).tolist()
+    """Original token ids kept, per row and head, ascending (the one-hot position of each stored key;
+    H2O and TOVA may store them out of order after a decode step's in-place eviction)."""
+    return layer.keys.argmax(-1).sort(dim=-1).values.tolist()
 
 
 def test_snapkv_keeps_pooled_hits_and_the_window_per_head_and_row():
