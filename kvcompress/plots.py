@@ -42,6 +42,14 @@ def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]
     return front
 
 
+def varying_params(rows: list[dict]) -> list[str]:
+    """Each row's ``params`` ("a=1 b=2") reduced to the fields that differ between the rows (the swept
+    ones), so plot labels stay short; all of them when there is a single row."""
+    fields = [str(r.get("params") or "").split() for r in rows]
+    shared = set.intersection(*(set(f) for f in fields)) if len(fields) > 1 else set()
+    return [" ".join(f for f in fs if f not in shared) for fs in fields]
+
+
 def plot_pareto(rows: list[dict], path: Path) -> Path | None:
     key = perplexity_key(rows)
     rows = [r for r in rows if key and r.get(key) is not None and r.get("cache_bytes")]
@@ -54,8 +62,8 @@ def plot_pareto(rows: list[dict], path: Path) -> Path | None:
         by_policy[r["policy"]].append(r)
     for policy, group in sorted(by_policy.items()):
         ax.scatter([r["cache_bytes"] / 2**20 for r in group], [r[key] for r in group], label=policy, s=36)
-        for r in group:
-            ax.annotate(r["params"], (r["cache_bytes"] / 2**20, r[key]), fontsize=6, alpha=0.7)
+        for r, text in zip(group, varying_params(group), strict=True):
+            ax.annotate(text, (r["cache_bytes"] / 2**20, r[key]), fontsize=7, alpha=0.8)
     front = pareto_front([(r["cache_bytes"] / 2**20, r[key]) for r in rows])
     ax.plot(*zip(*front, strict=True), "k--", lw=1, label="Pareto front")
     ax.set(xscale="log", xlabel="cache MiB (log)", ylabel=key, title=f"{key} vs cache bytes")

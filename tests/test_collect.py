@@ -95,3 +95,14 @@ def test_niah_grid_averages_cases_per_depth_and_length(sweep):
     assert list(grids) == ["sliding_window sink_tokens=4 window=128 [kvc_niah]"]
     cells = next(iter(grids.values()))
     assert cells[(1.0, 256.0)] == [1.0] and cells[(0.0, 512.0)] == [0.0] and len(cells) == 6
+
+
+def test_plot_labels_keep_only_the_swept_fields():
+    from kvcompress.plots import varying_params
+
+    rows = [
+        {"params": "bits=2 group_size=32 residual_length=128"},
+        {"params": "bits=8 group_size=32 residual_length=128"},
+    ]
+    assert varying_params(rows) == ["bits=2", "bits=8"]
+    assert varying_params(rows[:1]) == ["bits=2 group_size=32 residual_length=128"]
