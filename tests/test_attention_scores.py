@@ -89,3 +89,23 @@ def test_half_precision_scores_accumulate_in_float32(dtype):
     torch.testing.assert_close(got, ref, atol=2e-2, rtol=0)  # only the inputs' rounding differs
     causal = got[0, :, 0, 38:]  # the first window query sits at position 37: later keys get nothing
     assert torch.all(causal == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_attention_matches_sdpa_and_window_scores(dtype):
+    """One query per row: the fused path's output equals SDPA's and its probabilities equal a separate
+    ``window_scores`` pass, so H2O/TOVA/block_evict read the same scores without the second pass."""
+    from kvcompress.fused import decode_attention
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 6, 1, 16, generator=g).to(dtype)
+    k = torch.randn(2, 2, 40, 16, generator=g).to(dtype)
+    v = torch.randn(2, 2, 40, 16, generator=g).to(dtype)
+    out, probs = decode_attention(q, k, v, 0.25)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float().repeat_interleave(3, 1), v.float().repeat_interleave(3, 1), scale=0.25
+    ).transpose(1, 2)  # (B, 1, H, D)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(probs, window_scores(q, k, 0.25), rtol=1e-5, atol=1e-6)
+    assert out.dtype == dtype and probs.shape == (2, 2, 1, 40)

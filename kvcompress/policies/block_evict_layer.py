@@ -65,7 +65,10 @@ class BlockEvictLayer(EvictionLayer):
         bs = self.policy.block_size
         self.n_blocks = self.n_blocks + _ceil_div(self.n_real + count, bs) - _ceil_div(self.n_real, bs)
         self.n_real = self.n_real + count
-        grow = int(self.n_blocks.max()) - self.block_scores.shape[-1]
+        # without padding (n_real == seen) a step opens a block only when it crosses a block boundary
+        crosses = -(-(self.seen + q) // bs) > -(-self.seen // bs)
+        opens = new_valid is not None or self.valid is not None or crosses
+        grow = int(self.n_blocks.max()) - self.block_scores.shape[-1] if opens else 0
         if grow > 0:  # new blocks start at 0; unused entries of shorter rows are 0 too
             self.block_scores = F.pad(self.block_scores, (0, grow))
         return super().append(key_states, value_states, new_valid)
@@ -85,6 +88,8 @@ class BlockEvictLayer(EvictionLayer):
         w = min(self.policy.window, query.shape[2])
         received = window_scores(query[:, :, -w:], key, scaling, self.valid).sum(dim=2)  # (B, H_kv, T)
         self.block_scores.scatter_add_(-1, self._slot_blocks().expand_as(received), received)
+        if self.valid is None and self.stored_length() <= self.policy.keep_count(self.seen):
+            return  # under the target nothing can be evicted (most decode steps): skip the block arithmetic
         self._evict()
 
     def _protected(self) -> tuple[torch.Tensor, torch.Tensor]:
