@@ -87,10 +87,19 @@ class BlockEvictLayer(EvictionLayer):
             return
         w = min(self.policy.window, query.shape[2])
         received = window_scores(query[:, :, -w:], key, scaling, self.valid).sum(dim=2)  # (B, H_kv, T)
-        self.block_scores.scatter_add_(-1, self._slot_blocks().expand_as(received), received)
+        self._add_block_scores(received)
         if self.valid is None and self.stored_length() <= self.policy.keep_count(self.seen):
             return  # under the target nothing can be evicted (most decode steps): skip the block arithmetic
         self._evict()
+
+    def _add_block_scores(self, received: torch.Tensor) -> None:
+        """Add each slot's received attention (B, H_kv, T) to its block's score."""
+        b, h, t = received.shape
+        bs, nb = self.policy.block_size, self.block_scores.shape[-1]
+        if self.valid is None and nb == -(-t // bs):  # slots in block order: sum whole blocks, no index
+            self.block_scores += F.pad(received, (0, nb * bs - t)).view(b, h, nb, bs).sum(-1)
+            return
+        self.block_scores.scatter_add_(-1, self._slot_blocks().expand_as(received), received)
 
     def _protected(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row (B,): how many stored blocks open the list as sinks and close it as the recent window."""
