@@ -61,14 +61,19 @@ class BlockEvictLayer(EvictionLayer):
             self.n_real = torch.zeros(b, dtype=torch.int32, device=key_states.device)
             self.n_blocks = torch.zeros_like(self.n_real)
             self.block_scores = torch.zeros(b, h, 0, dtype=torch.float32, device=key_states.device)
-        count = torch.full_like(self.n_real, q) if new_valid is None else new_valid.sum(-1, dtype=torch.int32)
         bs = self.policy.block_size
-        self.n_blocks = self.n_blocks + _ceil_div(self.n_real + count, bs) - _ceil_div(self.n_real, bs)
-        self.n_real = self.n_real + count
-        # without padding (n_real == seen) a step opens a block only when it crosses a block boundary
-        crosses = -(-(self.seen + q) // bs) > -(-self.seen // bs)
-        opens = new_valid is not None or self.valid is not None or crosses
-        grow = int(self.n_blocks.max()) - self.block_scores.shape[-1] if opens else 0
+        if new_valid is None and self.valid is None:  # no padding: n_real == seen, plain integer updates
+            opened = -(-(self.seen + q) // bs) - (-(-self.seen // bs))  # blocks this step opens
+            self.n_real = self.n_real + q
+            self.n_blocks = self.n_blocks + opened if opened else self.n_blocks
+            grow = int(self.n_blocks.max()) - self.block_scores.shape[-1] if opened else 0
+        else:
+            count = (
+                torch.full_like(self.n_real, q) if new_valid is None else new_valid.sum(-1, dtype=torch.int32)
+            )
+            self.n_blocks = self.n_blocks + _ceil_div(self.n_real + count, bs) - _ceil_div(self.n_real, bs)
+            self.n_real = self.n_real + count
+            grow = int(self.n_blocks.max()) - self.block_scores.shape[-1]
         if grow > 0:  # new blocks start at 0; unused entries of shorter rows are 0 too
             self.block_scores = F.pad(self.block_scores, (0, grow))
         return super().append(key_states, value_states, new_valid)
