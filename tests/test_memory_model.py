@@ -57,6 +57,10 @@ VARIANTS = {
     ],
     "block_sparse": [{"block_size": 7}],
     "sliding_window": [{"sink_tokens": 4, "window": 300}],
+    "block_evict": [
+        {"block_size": 16, "keep_ratio": 0.5, "sink_tokens": 4, "recent": 32},
+        {"block_size": 8, "budget": 100, "keep_ratio": None, "sink_tokens": 0, "recent": 5},
+    ],
 }
 CASES = [(n, SMALL.get(n, {})) for n in POLICY_NAMES] + [(n, v) for n, vs in VARIANTS.items() for v in vs]
 IDS = [f"{n}-{i}" for i, (n, _) in enumerate(CASES)]

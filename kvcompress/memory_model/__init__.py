@@ -13,12 +13,12 @@ slots, real memory that ``memory_bytes()`` counts; the prediction counts the tok
 a measurement may exceed it by up to 1/128 (0.8%), and equals it below 128 stored tokens.
 
 Policies are matched by exact type: a policy this module has no formula for (a subclass of a known
-one included; so far ``block_evict``) gives ``None``, never a guess. So does a ``low_rank`` policy with
+one included) gives ``None``, never a guess. So does a ``low_rank`` policy with
 ``energy`` (its ranks come from calibration data, not its parameters). Without padding no layer holds a
 validity mask, so none is counted.
 """
 
-from kvcompress.memory_model import dense, eviction  # noqa: F401  (register the formulas)
+from kvcompress.memory_model import blocks, dense, eviction  # noqa: F401  (register the formulas)
 from kvcompress.memory_model.core import Shape, formula, layer_policy_of, predicted_bytes, predicted_for_model
 
 __all__ = ["Shape", "formula", "layer_policy_of", "predicted_bytes", "predicted_for_model"]
