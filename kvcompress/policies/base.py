@@ -15,7 +15,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvcompress import attention
 from kvcompress.policies import storage
-from kvcompress.policies.storage import Slots, gather_tokens
+from kvcompress.policies.storage import Slots
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class PolicyLayer(CacheLayerMixin):
     """Dense cache layer: stores keys/values ``(B, H_kv, T, D)`` and, once padding appears, a validity mask.
 
     Subclasses compress in ``compress()`` (called after the step's keys are appended) or in
-    ``observe()`` (called by the attention function with this step's attention scores).
+    ``observe_attention()`` (called by the attention function after it ran, when ``wants_scores``).
     """
 
     is_sliding = False
@@ -145,9 +145,6 @@ class PolicyLayer(CacheLayerMixin):
 
     def compress(self) -> None:
         """Apply the policy after a step's tokens were appended (eviction, quantization...)."""
-
-    def observe(self, scores: torch.Tensor) -> None:
-        """Receive attention scores (B, H_kv, q_window, T) of this step (policies with ``wants_scores``)."""
 
     def stored_length(self) -> int:
         return 0 if self.keys is None else self.keys.shape[-2]
@@ -248,8 +245,3 @@ def _cat_valid(old, new, stored: int, batch: int, q: int, device):
         else new[:, None].expand(-1, h, -1)
     )
     return torch.cat([old, new], dim=-1)
-
-
-def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Gather tokens ``idx`` (B, h, k) from x (B, H, T, D); h is 1 or H."""
-    return gather_tokens(x, idx)

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvcompress.policies.base import ModelSpec, PolicyLayer, _gather
+from kvcompress.policies.base import ModelSpec, PolicyLayer
+from kvcompress.policies.storage import gather_tokens
 
 if TYPE_CHECKING:
     from kvcompress.policies.block_sparse import BlockSparsePolicy
@@ -101,7 +102,7 @@ class BlockSparseLayer(PolicyLayer):
         pages = self.select(query[:, :, 0])
         idx, ok = self._tokens(pages, key.shape[-2])
         self._count(pages, ok, key)
-        return _gather(key, idx), _gather(value, idx), ok[:, :, None, :]
+        return gather_tokens(key, idx), gather_tokens(value, idx), ok[:, :, None, :]
 
     def select(self, query: torch.Tensor) -> torch.Tensor:
         """Pages this decode step reads, ascending, -1 for unused slots: (B, H_kv, k)."""
