@@ -48,7 +48,7 @@ BAD = [
     (
         "window 0",
         lambda m, p: make_policy("sliding_window", window=0),
-        "sliding_window.window=0 must be >= 1",
+        "sliding_window.window=0 must be an integer >= 1",
     ),
     (
         "h2o budget < recent",

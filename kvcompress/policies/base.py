@@ -37,6 +37,13 @@ class Policy:
     def layer(self, layer_idx: int, spec: ModelSpec) -> PolicyLayer:
         raise NotImplementedError
 
+    def require_ints(self, **lows: int) -> None:
+        """Refuse any named field that is not an integer (bools excluded) at least its lower bound."""
+        for field, low in lows.items():
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{self.name}.{field}={value!r} must be an integer >= {low}")
+
     def check(self, spec: ModelSpec) -> None:
         """Validate fields against the model (e.g. a group size that must divide head_dim)."""
 

@@ -47,10 +47,7 @@ class BlockEvictPolicy(Policy):
     window: int = 32
 
     def __post_init__(self):
-        for field, low in (("block_size", 1), ("sink_tokens", 0), ("recent", 0), ("window", 1)):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"block_evict.{field}={value!r} must be an integer >= {low}")
+        self.require_ints(block_size=1, sink_tokens=0, recent=0, window=1)
         if (self.budget is None) == (self.keep_ratio is None):
             raise ValueError(
                 "block_evict: set exactly one of budget (tokens kept per layer and KV head) or keep_ratio "

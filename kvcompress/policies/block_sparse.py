@@ -36,10 +36,7 @@ class BlockSparsePolicy(Policy):
     sink_blocks: int = 1
 
     def __post_init__(self):
-        if self.block_size < 1:
-            raise ValueError(f"block_sparse.block_size={self.block_size} must be >= 1")
-        if self.sink_blocks < 0:
-            raise ValueError(f"block_sparse.sink_blocks={self.sink_blocks} must be >= 0")
+        self.require_ints(block_size=1, sink_blocks=0, top_k_blocks=1)
         if self.top_k_blocks < self.sink_blocks + 1:
             raise ValueError(
                 f"block_sparse.top_k_blocks={self.top_k_blocks} must be >= sink_blocks + 1 "

@@ -20,10 +20,7 @@ class SlidingWindowPolicy(Policy):
     window: int = 252
 
     def __post_init__(self):
-        if self.sink_tokens < 0:
-            raise ValueError(f"sliding_window.sink_tokens={self.sink_tokens} must be >= 0")
-        if self.window < 1:
-            raise ValueError(f"sliding_window.window={self.window} must be >= 1")
+        self.require_ints(sink_tokens=0, window=1)
 
     @property
     def name(self) -> str:
