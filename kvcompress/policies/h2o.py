@@ -75,11 +75,9 @@ class H2OLayer(EvictionLayer):
         k = self.target()
         if self.stored_length() > k:
             recent = k // 2 if self.policy.recent is None else self.policy.recent
-            protected = self.pos >= self.seen - recent  # the `recent` newest positions, wherever stored
-            if self.stored_length() - k == 1 and self.valid is None:  # decode: argmin, ties irrelevant
-                self.select(self.acc.masked_fill(protected, float("inf")), k)
-            else:  # protected first, newest winning ties among them
-                self.select(torch.where(protected, _BIG + self.pos.double(), self.acc.double()), k)
+            newest = self.pos.double()
+            protected = newest >= self.seen - recent  # the `recent` newest positions, wherever stored
+            self.select(torch.where(protected, _BIG + newest, self.acc.double()), k)  # newest win ties
 
     def keep(self, idx: torch.Tensor, is_sorted: bool = False) -> torch.Tensor:
         idx = super().keep(idx, is_sorted)
