@@ -145,8 +145,10 @@ def _identity(query, key) -> tuple:
 
 
 def _fusable(module, kwargs) -> bool:
-    """The fused decode path is used unless the model applies something SDPA would (dropout, soft caps)."""
-    return not module.training and getattr(module.config, "attn_logit_softcapping", None) is None
+    """The fused decode path is used unless the model adds something to plain softmax attention
+    (training dropout, logit soft-capping, learned attention sinks ``s_aux``)."""
+    plain = not module.training and getattr(module.config, "attn_logit_softcapping", None) is None
+    return plain and kwargs.get("s_aux") is None
 
 
 def register() -> None:

@@ -109,3 +109,18 @@ def test_fused_decode_attention_matches_sdpa_and_window_scores(dtype):
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
     torch.testing.assert_close(probs, window_scores(q, k, 0.25), rtol=1e-5, atol=1e-6)
     assert out.dtype == dtype and probs.shape == (2, 2, 1, 40)
+
+
+def test_fused_decode_path_only_for_plain_softmax_attention():
+    """Soft-capping, learned sinks (``s_aux``) or training fall back to the model's own kernel."""
+    from types import SimpleNamespace
+
+    from kvcompress.attention import _fusable
+
+    def module(training=False, cap=None):
+        return SimpleNamespace(training=training, config=SimpleNamespace(attn_logit_softcapping=cap))
+
+    assert _fusable(module(), {})
+    assert not _fusable(module(), {"s_aux": torch.zeros(4)})
+    assert not _fusable(module(cap=30.0), {})
+    assert not _fusable(module(training=True), {})
