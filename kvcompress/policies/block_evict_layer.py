@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from kvcompress.policies.block_evict import BlockEvictPolicy
 
 
-def _ceil_div(n: torch.Tensor, d: int) -> torch.Tensor:
+def _ceil_div(n: torch.Tensor | int, d: int) -> torch.Tensor | int:
     return (n + d - 1) // d
 
 
@@ -63,7 +63,7 @@ class BlockEvictLayer(EvictionLayer):
             self.block_scores = torch.zeros(b, h, 0, dtype=torch.float32, device=key_states.device)
         bs = self.policy.block_size
         if new_valid is None and self.valid is None:  # no padding: n_real == seen, plain integer updates
-            opened = -(-(self.seen + q) // bs) - (-(-self.seen // bs))  # blocks this step opens
+            opened = _ceil_div(self.seen + q, bs) - _ceil_div(self.seen, bs)  # blocks this step opens
             self.n_real = self.n_real + q
             self.n_blocks = self.n_blocks + opened if opened else self.n_blocks
             grow = int(self.n_blocks.max()) - self.block_scores.shape[-1] if opened else 0
@@ -101,7 +101,7 @@ class BlockEvictLayer(EvictionLayer):
         """Add each slot's received attention (B, H_kv, T) to its block's score."""
         b, h, t = received.shape
         bs, nb = self.policy.block_size, self.block_scores.shape[-1]
-        if self.valid is None and nb == -(-t // bs):  # slots in block order: sum whole blocks, no index
+        if self.valid is None and nb == _ceil_div(t, bs):  # slots in block order: sum whole blocks, no index
             self.block_scores += F.pad(received, (0, nb * bs - t)).view(b, h, nb, bs).sum(-1)
             return
         self.block_scores.scatter_add_(-1, self._slot_blocks().expand_as(received), received)
