@@ -42,10 +42,24 @@ def _task_fn(task_cfg):
     return getattr(importlib.import_module(module), attr)
 
 
+def run_policy(config: dict):
+    """The run's policy, over the ``storage`` group's choice when one is selected."""
+    storage = config.get("storage")
+    if storage:
+        return make_policy(config["policy"], storage=storage)
+    return make_policy(config["policy"])
+
+
+def _storage_name(policy) -> str:
+    storage = getattr(policy, "storage", None)
+    return "per-layer" if storage is None else storage.name
+
+
 def _execute(cfg: DictConfig, record: dict, out_dir: Path) -> dict:
     """Validate the policy, load the model, run the task; returns the task's metrics."""
-    policy = make_policy(record["config"]["policy"])  # validates fields before any model work
+    policy = run_policy(record["config"])  # validates fields before any model work
     record["policy_name"] = policy.name
+    record["selector"], record["storage"] = policy.selector, _storage_name(policy)
     task = _task_fn(cfg.task)
     seed_everything(cfg.get("seed", 0))
     model, tok = load_model(cfg.model.name, dtype=cfg.model.get("dtype"), device=cfg.model.get("device"))

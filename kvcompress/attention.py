@@ -97,9 +97,6 @@ def window_scores(query, key, scaling: float, valid=None) -> torch.Tensor:
         (B, H_kv, w, T) float32 probabilities: causal within the window, padding keys exactly 0, and
         all-zero rows for queries that are themselves padding.
     """
-    memo = getattr(_STATE, "decode_probs", None)
-    if memo is not None and valid is None and memo[0] == _identity(query, key):
-        return memo[1]  # this decode step's attention already computed them (fused.decode_attention)
     b, h, w, d = query.shape
     h_kv, t = key.shape[1], key.shape[2]
     g = h // h_kv
@@ -125,23 +122,18 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
             attention_mask = _expand_heads(attention_mask, query.shape[1])
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     wants = layer is not None and layer.wants_scores
+    probs = None
     if wants and query.shape[2] == 1 and attention_mask is None and _fusable(module, kwargs):
         out, probs = decode_attention(query, key, value, scaling)  # one pass gives output and scores
-        _STATE.decode_probs = (_identity(query, key), probs)
     elif backend_of(module.config) == "eager":
         out, _ = eager_attention(module, query, key, value, attention_mask, scaling)
     else:
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     if wants:
         with TIMER.measure():
-            layer.observe_attention(query, key, scaling)
-        _STATE.decode_probs = None
+            layer.observe_attention(query, key, scaling, probs)  # the scores, handed to the layer itself
+            layer.end_step()
     return out, None
-
-
-def _identity(query, key) -> tuple:
-    """What makes two calls see the same decode step: the query and key storage and shapes."""
-    return query.data_ptr(), tuple(query.shape), key.data_ptr(), tuple(key.shape)
 
 
 def _fusable(module, kwargs) -> bool:

@@ -5,16 +5,17 @@ With ``attention.py`` this is the only module that touches transformers internal
 
 from __future__ import annotations
 
-import importlib
-from pathlib import Path
+import dataclasses
 
 from transformers.cache_utils import Cache
 
-from kvcompress import attention
-from kvcompress.policies.base import ModelSpec, Policy, storage_bytes
+from kvcompress import attention, registry
+from kvcompress.policies.base import ModelSpec, Policy
 from kvcompress.profiling import TIMER
+from kvcompress.registry import CONF_DIR
+from kvcompress.storage.buffers import storage_bytes
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+__all__ = ["CONF_DIR", "KVCache", "build_cache", "known_policies", "known_storages", "make_policy"]
 
 
 class KVCache(Cache):
@@ -41,48 +42,26 @@ class KVCache(Cache):
 
 
 def known_policies() -> list[str]:
-    return sorted(p.stem for p in CONF_DIR.glob("policy/*.yaml"))
+    return registry.known("policy")
 
 
-def _import(target: str):
-    module, _, attr = target.rpartition(".")
-    return getattr(importlib.import_module(module), attr)
+def known_storages() -> list[str]:
+    return registry.known("storage")
 
 
 def policy_from_config(cfg: dict) -> Policy:
     """Instantiate a policy from a ``{_target_: ..., field: value}`` mapping (a Hydra policy config)."""
-    cfg = dict(cfg)
-    target = cfg.pop("_target_", None)
-    if target is None:
-        raise ValueError(f"policy config needs a _target_ (got keys {sorted(cfg)})")
-    cls = _import(target)
-    if hasattr(cls, "from_config"):
-        return cls.from_config(cfg)
-    return cls(**cfg)
+    return registry.instantiate(cfg, "policy")
 
 
 def make_policy(policy, **params) -> Policy:
-    """A policy object from a name in ``conf/policy/`` (plus field overrides) or an existing object."""
+    """A policy object from a name in ``conf/policy/`` (plus field overrides), a config dict or an existing
+    object. ``storage=`` (a name, ``{"name": ..., field: value}`` or a ``Storage``) sets the storage axis."""
     if isinstance(policy, Policy):
-        if params:
-            import dataclasses
-
-            return dataclasses.replace(policy, **params)
-        return policy
+        return dataclasses.replace(policy, **params) if params else policy
     if isinstance(policy, dict):
         return policy_from_config({**policy, **params})
-    names = known_policies()
-    if policy not in names:
-        raise ValueError(f"policy={policy!r} is unknown; known policies: {names}")
-    from omegaconf import OmegaConf
-
-    cfg = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "policy" / f"{policy}.yaml"), resolve=True)
-    unknown = set(params) - set(cfg)
-    if unknown:
-        raise ValueError(
-            f"policy {policy!r} has no field(s) {sorted(unknown)}; fields: {sorted(set(cfg) - {'_target_'})}"
-        )
-    return policy_from_config({**cfg, **params})
+    return registry.from_name("policy", policy, params, always=("storage",))
 
 
 def model_spec(model) -> ModelSpec:
@@ -106,7 +85,9 @@ def model_spec(model) -> ModelSpec:
 
 def build_cache(policy, model, **params) -> KVCache:
     """Build a policy cache for ``model``: ``policy`` is a name from ``conf/policy/``, a dict config or a
-    ``Policy``; ``params`` override its fields. Routes the model's attention through kvcompress."""
+    ``Policy``; ``params`` override its fields (``storage=`` picks the storage axis: ``"quant"``,
+    ``{"name": "quant", "bits": 4}``...). Refuses a selector/storage pair that cannot work, saying why.
+    Routes the model's attention through kvcompress."""
     policy = make_policy(policy, **params)
     spec = model_spec(model)
     policy.check(spec)

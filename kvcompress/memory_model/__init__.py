@@ -1,24 +1,25 @@
 """Predicted cache bytes: what a policy should hold, from its parameters and the model's shape alone.
 
-``predicted_bytes`` is an independent account of ``KVCache.memory_bytes()``: it never builds a layer
-or reads a tensor, it applies each policy's documented keep rule to the token count. The benchmark
-reports measured / predicted (``bytes_vs_predicted``) and ``tests/test_memory_model.py`` holds every
-policy to it.
+``predicted_bytes`` is an independent account of ``KVCache.memory_bytes()``: it never builds a layer or
+reads a tensor. Each selector declares, next to its code, how many tokens a layer keeps
+(``Policy.kept_tokens``) and what its own state costs (``Policy.state_bytes``); each storage declares what
+that many tokens cost (``Storage.bytes_for``) plus its per-layer constants (``Storage.fixed_bytes``). The
+benchmark reports measured / predicted (``bytes_vs_predicted``) and ``tests/test_memory_model.py`` holds
+every selector x storage pair to it.
 
 Scope: one prefill forward of ``n_tokens`` (not chunked), then ``decode_tokens`` single-token steps,
-``batch`` rows without padding. Below, per layer: ``kv(t) = 2 * B * H_kv * t * D * e`` (keys and values
-of ``t`` tokens, ``e = dtype_bytes``) and ``T = n_tokens + decode_tokens``. Dense layers keep their
-keys/values in growable buffers (``policies/storage.py``) with ``headroom(t) = t // 128`` spare token
-slots, real memory that ``memory_bytes()`` counts; the prediction counts the tokens a policy keeps, so
-a measurement may exceed it by up to 1/128 (0.8%), and equals it below 128 stored tokens.
+``batch`` rows without padding. Dense layers keep their keys/values in growable buffers
+(``storage/buffers.py``) with ``headroom(t) = t // 128`` spare token slots, real memory that
+``memory_bytes()`` counts; the prediction counts the tokens kept, so a measurement may exceed it by up to
+1/128 (0.8%), and equals it below 128 stored tokens.
 
-Policies are matched by exact type: a policy this module has no formula for (a subclass of a known
-one included) gives ``None``, never a guess. So does a ``low_rank`` policy with
-``energy`` (its ranks come from calibration data, not its parameters). Without padding no layer holds a
-validity mask, so none is counted.
+A prediction is ``None``, never a guess, when a formula is missing (a policy class that declares none
+beyond the default), when ranks come from calibration data (``low_rank`` with ``energy``), or when a
+selector that evicts at decode steps runs over a storage with a full-precision window (which tokens the
+window holds then depends on the scores).
 """
 
-from kvcompress.memory_model import blocks, dense, eviction  # noqa: F401  (register the formulas)
-from kvcompress.memory_model.core import Shape, formula, layer_policy_of, predicted_bytes, predicted_for_model
+from kvcompress.memory_model.core import layer_policy_of, predicted_bytes, predicted_for_model
+from kvcompress.spec import Shape
 
-__all__ = ["Shape", "formula", "layer_policy_of", "predicted_bytes", "predicted_for_model"]
+__all__ = ["Shape", "layer_policy_of", "predicted_bytes", "predicted_for_model"]

@@ -1,46 +1,25 @@
-"""The memory model's machinery: the per-layer workload, the formula registry, the sum over layers."""
+"""The memory model's machinery: per-layer policies resolved from schedules, their formulas summed."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import NamedTuple
-
 from kvcompress.policies import ModelSpec, Policy, PyramidKVPolicy, SchedulePolicy
+from kvcompress.spec import Shape
 
 DTYPE_BYTES = (1, 2, 4, 8)
 
 
-class Shape(NamedTuple):
-    """One layer's workload: batch rows, KV/query heads, head_dim, element bytes, prefill/decode tokens."""
-
-    batch: int
-    kv_heads: int
-    heads: int
-    head_dim: int
-    dtype_bytes: int
-    prefill: int
-    decode: int
-
-    @property
-    def total(self) -> int:
-        return self.prefill + self.decode
-
-    def kv(self, tokens: int) -> int:
-        """Bytes of keys and values of ``tokens`` tokens in the model dtype: (B, H_kv, t, D) x 2."""
-        return 2 * self.batch * self.kv_heads * tokens * self.head_dim * self.dtype_bytes
-
-
-_FORMULAS: dict[type, Callable[[Policy, Shape], int | None]] = {}
-
-
-def formula(cls: type):
-    """Register the bytes formula of one layer of policy class ``cls`` (matched by exact type)."""
-
-    def register(fn):
-        _FORMULAS[cls] = fn
-        return fn
-
-    return register
+def layer_bytes(policy: Policy, s: Shape, layer_idx: int) -> int | None:
+    """One layer's bytes: the storage of the tokens the selector keeps, plus the selector's own state."""
+    kept = policy.kept_tokens(s)
+    if kept is None:
+        return None
+    storage = policy.storage
+    if policy.evicts == "always" and not storage.count_exact:
+        return None  # which tokens sit in the full-precision window depends on the scores
+    stored = storage.bytes_for(s, kept)
+    if stored is None:
+        return None
+    return stored + storage.fixed_bytes(s, layer_idx) + policy.state_bytes(s, kept)
 
 
 def predicted_bytes(
@@ -54,7 +33,7 @@ def predicted_bytes(
         dtype_bytes: bytes per element of the model dtype (4 for float32, 2 for bfloat16/float16).
 
     Returns:
-        The sum over layers of each layer policy's formula, or None if any layer's policy has none.
+        The sum over layers of each layer's formula, or None if any layer has none.
     """
     from kvcompress.cache import make_policy
 
@@ -66,9 +45,7 @@ def predicted_bytes(
     )
     total = 0
     for i in range(spec.num_layers):
-        layer_policy = layer_policy_of(policy, i, spec.num_layers)
-        fn = _FORMULAS.get(type(layer_policy))
-        size = None if fn is None else fn(layer_policy, shape)
+        size = layer_bytes(layer_policy_of(policy, i, spec.num_layers), shape, i)
         if size is None:
             return None
         total += size
@@ -96,8 +73,8 @@ def _check_inputs(n_tokens, dtype_bytes, batch, decode_tokens) -> None:
 
 def layer_policy_of(policy: Policy, layer_idx: int, num_layers: int) -> Policy:
     """The policy that builds layer ``layer_idx``: schedules (PyramidKV's too) resolved to their rule."""
-    while type(policy) in (SchedulePolicy, PyramidKVPolicy):
-        if type(policy) is PyramidKVPolicy:
+    while isinstance(policy, (SchedulePolicy, PyramidKVPolicy)):
+        if isinstance(policy, PyramidKVPolicy):
             policy = policy.schedule(num_layers)
         policy = policy.assignment(num_layers)[layer_idx]
     return policy

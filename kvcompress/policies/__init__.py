@@ -1,10 +1,10 @@
-"""Policy families, one module each; ``conf/policy/<name>.yaml`` plus this export line is the registry."""
+"""Selectors, one module each; ``conf/policy/<name>.yaml`` (its ``_target_``) is the registry."""
 
 from kvcompress.policies.base import ModelSpec, Policy, PolicyLayer
 from kvcompress.policies.block_evict import BlockEvictPolicy
 from kvcompress.policies.block_sparse import BlockSparsePolicy
 from kvcompress.policies.eviction import EvictionPolicy
-from kvcompress.policies.full import FullPolicy
+from kvcompress.policies.full import FullPolicy, StoragePreset
 from kvcompress.policies.h2o import H2OPolicy
 from kvcompress.policies.low_rank import LowRankPolicy
 from kvcompress.policies.pyramid import PyramidKVPolicy
@@ -19,6 +19,7 @@ __all__ = [
     "Policy",
     "PolicyLayer",
     "FullPolicy",
+    "StoragePreset",
     "QuantPolicy",
     "SchedulePolicy",
     "SlidingWindowPolicy",

@@ -11,8 +11,13 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from kvcompress.policies.base import ModelSpec, Policy
-from kvcompress.policies.block_evict_layer import BlockEvictLayer
+from kvcompress.fields import Float, Int, renamed
+from kvcompress.policies.base import Policy, Shape
+from kvcompress.policies.block_evict_layer import BlockEvictLayer, _ceil_div
+from kvcompress.policies.eviction import check_one_budget
+
+SCORE_BYTES = 4  # one float32 score per stored block and KV head
+COUNTER_BYTES = 8  # two int32 counters per batch row (real tokens, stored blocks)
 
 
 @dataclass
@@ -21,49 +26,52 @@ class BlockEvictPolicy(Policy):
     window; evict whole blocks only, at prefill down to the target and during decode one block at a time.
 
     A block's score is the attention its tokens received, summed over the query heads' mean of each KV
-    group, accumulated over the last ``window`` queries of every prefill step and every decode query
-    (H2O's accumulator, kept per block). Every evictable block is complete (only the newest block is
+    group, accumulated over the last ``observation_window`` queries of every prefill step and every decode
+    query (H2O's accumulator, kept per block). Every evictable block is complete (only the newest block is
     partial, and it is protected), so the sum and the mean per token rank blocks identically; we keep the
     sum, one float per block. Each row and KV head chooses its own blocks.
 
-    The target is ``budget`` tokens per layer and KV head, or ``keep_ratio`` of the real tokens seen
-    (rounded down). Kept tokens are whole blocks, so a layer holds the protected blocks plus as many
+    The target is ``budget`` tokens per layer and KV head, or ``1 - compression_ratio`` of the real tokens
+    seen (rounded down). Kept tokens are whole blocks, so a layer holds the protected blocks plus as many
     scored blocks as fit under the target: never more than the target, up to ``block_size - 1`` less.
 
     Args:
         block_size: tokens per block; block ``b`` is the span ``[b * block_size, (b + 1) * block_size)``.
-        budget: tokens kept per layer and KV head (set exactly one of budget / keep_ratio).
-        keep_ratio: fraction of the real tokens seen that is kept, in (0, 1].
+        budget: tokens kept per layer and KV head (set exactly one of budget / compression_ratio).
+        compression_ratio: fraction of the real tokens seen that is removed, in [0, 1).
         sink_tokens: the first tokens; the blocks holding them are never evicted.
         recent: the newest tokens; the blocks holding them (and always the newest block) are never evicted.
-        window: prompt queries of each prefill step whose attention is added to the block scores.
+        observation_window: prompt queries of each prefill step whose attention is added to the scores.
+        keep_ratio, window: deprecated spellings (``keep_ratio`` = 1 - compression_ratio).
     """
 
-    block_size: int = 32
-    budget: int | None = None
-    keep_ratio: float | None = 0.5
-    sink_tokens: int = 4
-    recent: int = 64
-    window: int = 32
+    layer_class = BlockEvictLayer
+    evicts = "always"
+    TEST_PARAMS = {"block_size": 4, "budget": 16, "compression_ratio": None, "sink_tokens": 2, "recent": 4,
+                   "observation_window": 4}  # fmt: skip
+    FUZZ = [
+        {**alt, "block_size": (1, 8), "sink_tokens": (0, 6), "recent": (0, 10), "observation_window": (1, 8)}
+        for alt in (
+            {"budget": (1, 60), "compression_ratio": None},
+            {"budget": None, "compression_ratio": [0.0, 0.5, 0.9]},
+        )
+    ]
+
+    block_size: int = Int(32, low=1)
+    budget: int | None = Int(None, low=1, null=True)
+    compression_ratio: float | None = Float(0.5, 0.0, 1.0, high_open=True, null=True)
+    sink_tokens: int = Int(4, low=0)
+    recent: int = Int(64, low=0)
+    observation_window: int = Int(32, low=1)
+    keep_ratio: float | None = Float(None, 0.0, 1.0, low_open=True, null=True)
+    window: int | None = Int(None, low=1, null=True)
 
     def __post_init__(self):
-        self.require_ints(block_size=1, sink_tokens=0, recent=0, window=1)
-        if (self.budget is None) == (self.keep_ratio is None):
-            raise ValueError(
-                "block_evict: set exactly one of budget (tokens kept per layer and KV head) or keep_ratio "
-                f"(fraction kept, in (0, 1]); got budget={self.budget}, keep_ratio={self.keep_ratio}"
-            )
-        if self.keep_ratio is not None and not (
-            isinstance(self.keep_ratio, (int, float)) and 0.0 < self.keep_ratio <= 1.0
-        ):
-            raise ValueError(f"block_evict.keep_ratio={self.keep_ratio!r} must be in (0, 1] or null")
-        if self.budget is not None:
-            self._check_budget()
-
-    def _check_budget(self) -> None:
-        if isinstance(self.budget, bool) or not isinstance(self.budget, int):
-            raise ValueError(f"block_evict.budget={self.budget!r} must be an integer or null")
-        if self.budget < self.min_budget:
+        super().__post_init__()
+        renamed(self, "keep_ratio", "compression_ratio", lambda keep: 1.0 - keep)
+        renamed(self, "window", "observation_window")
+        check_one_budget(self)
+        if self.budget is not None and self.budget < self.min_budget:
             raise ValueError(
                 f"block_evict.budget={self.budget} is below {self.min_budget} = (sink blocks "
                 f"{self.sink_blocks} + recent blocks {math.ceil(self.recent / self.block_size)} + 1) x "
@@ -89,12 +97,39 @@ class BlockEvictPolicy(Policy):
         """Target tokens per head after ``n_tokens`` real tokens (kept tokens are whole blocks under it)."""
         if self.budget is not None:
             return self.budget
-        return max(1, int(n_tokens * self.keep_ratio + 1e-9))
+        return max(1, int(n_tokens * (1.0 - self.compression_ratio) + 1e-9))
 
     def covering(self, n_tokens: int) -> BlockEvictPolicy:
+        out = super().covering(n_tokens)
         if self.budget is not None:
-            return dataclasses.replace(self, budget=max(self.budget, n_tokens))
-        return dataclasses.replace(self, keep_ratio=1.0)
+            return dataclasses.replace(out, budget=max(self.budget, n_tokens))
+        return dataclasses.replace(out, compression_ratio=0.0)
 
-    def layer(self, layer_idx: int, spec: ModelSpec) -> BlockEvictLayer:
-        return BlockEvictLayer(self, layer_idx, spec)
+    # -- memory formula: how many whole blocks survive does not depend on scores ---------------
+    def _replay(self, s: Shape) -> tuple[int, int]:
+        """(stored tokens, stored blocks) after the prefill and each decode step, replaying the layer."""
+        seen = stored = blocks = 0
+        for q in [s.prefill] + [1] * s.decode:
+            blocks += _ceil_div(seen + q, self.block_size) - _ceil_div(seen, self.block_size)
+            stored, seen = stored + q, seen + q
+            stored, blocks = self._after_eviction(seen, stored, blocks)
+        return stored, blocks
+
+    def _after_eviction(self, seen: int, stored: int, blocks: int) -> tuple[int, int]:
+        bs, target = self.block_size, self.keep_count(seen)
+        if stored <= target:
+            return stored, blocks
+        produced = _ceil_div(seen, bs)
+        sinks = min(produced, self.sink_blocks)
+        first_recent = max(seen - max(self.recent, 1), 0) // bs  # the newest block is always kept
+        tail = max(produced - max(first_recent, sinks), 0)
+        evictable = blocks - sinks - tail
+        keep = min(max((target - (stored - evictable * bs)) // bs, 0), evictable)
+        return stored - (evictable - keep) * bs, sinks + tail + keep
+
+    def kept_tokens(self, s: Shape) -> int:
+        return self._replay(s)[0]
+
+    def state_bytes(self, s: Shape, kept: int) -> int:
+        """A float32 score per stored block and KV head, two int32 counters per row."""
+        return SCORE_BYTES * s.batch * s.kv_heads * self._replay(s)[1] + COUNTER_BYTES * s.batch

@@ -10,17 +10,11 @@ the evictable ones.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from kvcompress.attention import window_scores
-from kvcompress.policies.base import ModelSpec
 from kvcompress.policies.eviction import EvictionLayer
-
-if TYPE_CHECKING:
-    from kvcompress.policies.block_evict import BlockEvictPolicy
 
 
 def _ceil_div(n: torch.Tensor | int, d: int) -> torch.Tensor | int:
@@ -32,30 +26,15 @@ class BlockEvictLayer(EvictionLayer):
     received, and per-row counters ``n_real`` (real tokens consumed) and ``n_blocks`` (blocks stored),
     both (B,) int32."""
 
-    def __init__(self, policy: BlockEvictPolicy, layer_idx: int, spec: ModelSpec):
-        super().__init__(policy, layer_idx, spec)
-        self.block_scores = self.n_real = self.n_blocks = None
-
-    def reset(self) -> None:
-        super().reset()
-        self.block_scores = self.n_real = self.n_blocks = None
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        for name in ("block_scores", "n_real", "n_blocks"):
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, t.index_select(0, beam_idx.to(t.device)))
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [*super().tensors(), self.block_scores, self.n_real, self.n_blocks]
+    per_row = ("block_scores", "n_real", "n_blocks")
 
     def stats(self) -> dict:
         blocks = 0 if self.n_blocks is None else int(self.n_blocks.max())
         return {**super().stats(), "block_size": self.policy.block_size, "blocks_stored": blocks}
 
     # -- storage ------------------------------------------------------------------------------
-    def append(self, key_states, value_states, new_valid):
+    def on_append(self, key_states, new_valid) -> None:
+        super().on_append(key_states, new_valid)
         b, h, q, _ = key_states.shape
         if self.n_real is None:
             self.n_real = torch.zeros(b, dtype=torch.int32, device=key_states.device)
@@ -76,7 +55,6 @@ class BlockEvictLayer(EvictionLayer):
             grow = int(self.n_blocks.max()) - self.block_scores.shape[-1]
         if grow > 0:  # new blocks start at 0; unused entries of shorter rows are 0 too
             self.block_scores = F.pad(self.block_scores, (0, grow))
-        return super().append(key_states, value_states, new_valid)
 
     def _slot_blocks(self) -> torch.Tensor:
         """Stored-block index (B, 1 or H_kv, T) of every slot (padding slots: a neighbour's; they score 0)."""
@@ -87,11 +65,10 @@ class BlockEvictLayer(EvictionLayer):
         return (self.valid.cumsum(-1) - 1).clamp(min=0) // bs
 
     # -- scoring and eviction -----------------------------------------------------------------
-    def observe_attention(self, query, key, scaling: float) -> None:
+    def observe_attention(self, query, key, scaling: float, probs=None) -> None:
         if self.block_scores.shape[-1] == 0:  # only padding so far
             return
-        w = min(self.policy.window, query.shape[2])
-        received = window_scores(query[:, :, -w:], key, scaling, self.valid).sum(dim=2)  # (B, H_kv, T)
+        received = self.scores(query, key, scaling, self.policy.observation_window, probs).sum(dim=2)
         self._add_block_scores(received)
         if self.valid is None and self.stored_length() <= self.policy.keep_count(self.seen):
             return  # under the target nothing can be evicted (most decode steps): skip the block arithmetic
@@ -115,10 +92,12 @@ class BlockEvictLayer(EvictionLayer):
         return sinks, (produced - torch.maximum(first_recent, sinks)).clamp(min=0)
 
     def _targets(self) -> torch.Tensor:
-        """Target tokens per row (B,): the budget, or ``keep_ratio`` of the row's real tokens."""
+        """Target tokens per row (B,): the budget, or ``1 - compression_ratio`` of the row's real tokens."""
         if self.policy.budget is not None:
             return torch.full_like(self.n_real, self.policy.budget)
-        return (self.n_real.double() * self.policy.keep_ratio + 1e-9).floor().long().clamp(min=1)
+        return (
+            (self.n_real.double() * (1.0 - self.policy.compression_ratio) + 1e-9).floor().long().clamp(min=1)
+        )
 
     def _evict(self) -> None:
         """Evict whole blocks in rows whose evictable blocks no longer fit under the target."""

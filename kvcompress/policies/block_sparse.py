@@ -6,11 +6,13 @@ Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inferen
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
 
-from kvcompress.policies.base import ModelSpec, Policy, PolicyLayer
+from kvcompress.fields import Float, Int
+from kvcompress.policies.base import Policy, Shape
 from kvcompress.policies.block_sparse_layer import BlockSparseLayer
 
 
@@ -30,20 +32,23 @@ class BlockSparsePolicy(Policy):
         sink_blocks: first pages of real tokens that are always read.
     """
 
-    block_size: int = 16
-    top_k_blocks: int = 16
-    read_ratio: float | None = None
-    sink_blocks: int = 1
+    layer_class = BlockSparseLayer
+    MAX_MEMORY_RATIO = 1.3  # page key min/max: 1/block_size of K+V
+    TEST_PARAMS = {"block_size": 4, "top_k_blocks": 3}
+    FUZZ = {"block_size": (1, 8), "top_k_blocks": (1, 6)}
+
+    block_size: int = Int(16, low=1)
+    top_k_blocks: int = Int(16, low=1)
+    read_ratio: float | None = Float(None, 0.0, 1.0, low_open=True, null=True)
+    sink_blocks: int = Int(1, low=0)
 
     def __post_init__(self):
-        self.require_ints(block_size=1, sink_blocks=0, top_k_blocks=1)
+        super().__post_init__()
         if self.top_k_blocks < self.sink_blocks + 1:
             raise ValueError(
                 f"block_sparse.top_k_blocks={self.top_k_blocks} must be >= sink_blocks + 1 "
                 f"= {self.sink_blocks + 1} (sinks and the newest page are always read)"
             )
-        if self.read_ratio is not None and not 0 < self.read_ratio <= 1:
-            raise ValueError(f"block_sparse.read_ratio={self.read_ratio} must be in (0, 1] or null")
 
     @property
     def name(self) -> str:
@@ -51,7 +56,9 @@ class BlockSparsePolicy(Policy):
 
     def covering(self, n_tokens: int) -> BlockSparsePolicy:
         pages = n_tokens // self.block_size + 2  # +1 when padding shifts the page boundaries
-        return dataclasses.replace(self, top_k_blocks=max(self.top_k_blocks, pages), read_ratio=None)
+        return dataclasses.replace(
+            super().covering(n_tokens), top_k_blocks=max(self.top_k_blocks, pages), read_ratio=None
+        )
 
     def pages_to_read(self, n_pages: torch.Tensor) -> torch.Tensor:
         """Pages read per row and head, given the non-empty pages ``n_pages`` (B, H_kv)."""
@@ -61,5 +68,10 @@ class BlockSparsePolicy(Policy):
             k = torch.ceil(n_pages * self.read_ratio).long().clamp(min=self.sink_blocks + 1)
         return torch.minimum(k, n_pages)
 
-    def layer(self, layer_idx: int, spec: ModelSpec) -> PolicyLayer:
-        return BlockSparseLayer(self, layer_idx, spec)
+    def kept_tokens(self, s: Shape) -> int:
+        """Quest evicts nothing: every token is stored."""
+        return s.total
+
+    def state_bytes(self, s: Shape, kept: int) -> int:
+        """Per-page key min and max (B, H_kv, P, D) x 2 in the model dtype, ``P = ceil(T / block_size)``."""
+        return s.kv(math.ceil(s.total / self.block_size))

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvcompress.policies.base import ModelSpec, PolicyLayer
-from kvcompress.policies.storage import gather_tokens
+from kvcompress.storage.buffers import gather_tokens
 
 if TYPE_CHECKING:
     from kvcompress.policies.block_sparse import BlockSparsePolicy
@@ -33,27 +33,23 @@ class BlockSparseLayer(PolicyLayer):
         "kv_bytes_full",
     )
 
-    def __init__(self, policy: BlockSparsePolicy, layer_idx: int, spec: ModelSpec):
-        super().__init__(policy, layer_idx, spec)
-        self.page_min = self.page_max = None  # (B, H_kv, P, D)
+    per_row = ("page_min", "page_max")
+
+    def __init__(self, policy: BlockSparsePolicy, layer_idx: int, spec: ModelSpec, store):
+        super().__init__(policy, layer_idx, spec, store)
         self.shift: list[int] | None = None  # per row: virtual positions before its first real token
         self.meta_len = 0  # stored tokens already summarised in the page bounds
         self.counters = dict.fromkeys(self.COUNTERS, 0)
 
     def reset(self) -> None:
         super().reset()
-        self.page_min = self.page_max = self.shift = None
+        self.shift = None
         self.meta_len = 0
         self.counters = dict.fromkeys(self.COUNTERS, 0)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        self.page_min = self.page_min.index_select(0, beam_idx.to(self.device))
-        self.page_max = self.page_max.index_select(0, beam_idx.to(self.device))
         self.shift = [self.shift[i] for i in beam_idx.tolist()]
-
-    def tensors(self) -> list[torch.Tensor]:
-        return super().tensors() + [self.page_min, self.page_max]
 
     # -- page metadata ------------------------------------------------------------------------
     def _page_of(self, t: torch.Tensor) -> torch.Tensor:
@@ -61,14 +57,14 @@ class BlockSparseLayer(PolicyLayer):
         shift = torch.tensor(self.shift, device=self.device)[:, None]
         return torch.div(t[None] + shift, self.policy.block_size, rounding_mode="floor")
 
-    def compress(self) -> None:
+    def compress(self, keys, values) -> None:
         """Fold the new tokens' keys into the per-page min/max (padding contributes nothing)."""
         start, total = self.meta_len, self.stored_length()
         if self.shift is None:
-            b = self.keys.shape[0]
+            b = keys.shape[0]
             first = self.valid[:, 0].int().argmax(-1).tolist() if self.valid is not None else [0] * b
             self.shift = [(-f) % self.policy.block_size for f in first]
-        new = self.keys[:, :, start:]  # (B, H_kv, q, D)
+        new = keys[:, :, start:]  # (B, H_kv, q, D)
         lo, hi = new, new
         if self.valid is not None:
             real = self.valid[:, :, start:, None]

@@ -3,7 +3,7 @@
 A policy keeps either a fixed ``budget`` of tokens per layer and KV head, or removes a fraction
 ``compression_ratio`` of the tokens seen (kvpress's definition). Its layer turns attention scores into
 a per-token priority and keeps the top ``k`` per batch row and head with ``PolicyLayer.keep``, which
-copies, so evicted tokens are freed. Every head keeps the same count, so no ragged masks are needed;
+frees the evicted tokens' storage. Every head keeps the same count, so no ragged masks are needed;
 padding slots (``PolicyLayer.valid``) are never kept over real tokens.
 """
 
@@ -14,9 +14,27 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.policies.base import Policy, PolicyLayer
+from kvcompress.fields import Float, Int
+from kvcompress.policies.base import Policy, Shape
+from kvcompress.policies.layer import PolicyLayer
 
 _BIG = 1e12  # priority offset: protected tokens above every score, padding below every score
+
+# Fuzz alternatives shared by budgeted policies: a fixed budget or a ratio.
+BUDGET_FUZZ = [
+    {"budget": (1, 40), "compression_ratio": None},
+    {"budget": None, "compression_ratio": [0.0, 0.3, 0.5, 0.75, 0.95]},
+]
+
+
+def check_one_budget(policy) -> None:
+    """Exactly one of ``budget`` and ``compression_ratio`` must be set."""
+    if (policy.budget is None) == (policy.compression_ratio is None):
+        raise ValueError(
+            f"{policy.name}: set exactly one of budget (tokens kept per layer and head) or "
+            f"compression_ratio (fraction removed); got budget={policy.budget}, "
+            f"compression_ratio={policy.compression_ratio}"
+        )
 
 
 @dataclass
@@ -24,22 +42,15 @@ class EvictionPolicy(Policy):
     """Base of eviction policies: exactly one of ``budget`` (tokens kept per layer and head) or
     ``compression_ratio`` (fraction of the tokens seen that is removed, in [0, 1))."""
 
-    budget: int | None = None
-    compression_ratio: float | None = None
+    evicts = "always"
+    FUZZ = BUDGET_FUZZ
+
+    budget: int | None = Int(None, low=1, null=True)
+    compression_ratio: float | None = Float(0.5, 0.0, 1.0, high_open=True, null=True)
 
     def __post_init__(self):
-        if (self.budget is None) == (self.compression_ratio is None):
-            raise ValueError(
-                f"{self.name}: set exactly one of budget (tokens kept per layer and head) or "
-                f"compression_ratio (fraction removed); got budget={self.budget}, "
-                f"compression_ratio={self.compression_ratio}"
-            )
-        if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, int)):
-            raise ValueError(f"{self.name}.budget={self.budget!r} must be an integer >= 1")
-        if self.budget is not None and self.budget < 1:
-            raise ValueError(f"{self.name}.budget={self.budget} must be >= 1")
-        if self.compression_ratio is not None and not 0.0 <= self.compression_ratio < 1.0:
-            raise ValueError(f"{self.name}.compression_ratio={self.compression_ratio} must be in [0, 1)")
+        check_one_budget(self)
+        super().__post_init__()
 
     def keep_count(self, n_tokens: int) -> int:
         """Tokens a layer keeps per head after seeing ``n_tokens`` real tokens (at least 1)."""
@@ -53,25 +64,29 @@ class EvictionPolicy(Policy):
         return 0
 
     def covering(self, n_tokens: int) -> EvictionPolicy:
+        out = super().covering(n_tokens)
         if self.budget is not None:
-            return dataclasses.replace(self, budget=max(self.budget, n_tokens))
-        return dataclasses.replace(self, compression_ratio=0.0)
+            return dataclasses.replace(out, budget=max(self.budget, n_tokens))
+        return dataclasses.replace(out, compression_ratio=0.0)
+
+    def kept_tokens(self, s: Shape) -> int:
+        """A layer that enforces its target at every step: ``min(T, keep_count(T))`` (``keep_count`` grows by
+        at most one token per token seen, so a decode step never leaves more)."""
+        return min(s.total, self.keep_count(s.total))
 
 
 class EvictionLayer(PolicyLayer):
-    """A dense layer that evicts from attention scores (``observe_attention``) instead of ``compress``."""
+    """A layer that evicts from attention scores (``observe_attention``) instead of ``compress``."""
 
     wants_scores = True
-    order_free = False  # True: no decision depends on stored order, so evicting one token may reorder
 
-    def __init__(self, policy, layer_idx, spec):
-        super().__init__(policy, layer_idx, spec)
+    def __init__(self, policy, layer_idx, spec, store):
+        super().__init__(policy, layer_idx, spec, store)
         self.padding_seen = 0  # padding tokens consumed by the least padded row
 
-    def append(self, key_states, value_states, new_valid):
+    def on_append(self, key_states, new_valid) -> None:
         if new_valid is not None:
             self.padding_seen += int((~new_valid).sum(-1).min())
-        return super().append(key_states, value_states, new_valid)
 
     def reset(self) -> None:
         super().reset()

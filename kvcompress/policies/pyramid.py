@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from kvcompress.fields import Float, Int
 from kvcompress.policies.base import ModelSpec, Policy, PolicyLayer
-from kvcompress.policies.eviction import EvictionPolicy
+from kvcompress.policies.eviction import EvictionPolicy, check_one_budget
 from kvcompress.policies.schedule import SchedulePolicy, _as_policy
 
 _SNAPKV = {"_target_": "kvcompress.policies.SnapKVPolicy"}
@@ -60,16 +61,18 @@ class PyramidKVPolicy(Policy):
     ``budget`` (or ``1 - compression_ratio`` of the tokens seen). ``beta`` sets the steepness: the last
     layer gets ``1/beta`` of the mean (above the policy's reserved window). With ``compression_ratio``
     the prompt length is unknown when layers are built, so the whole kept fraction is shaped (no window
-    is reserved) and layers that would keep more than everything are capped, their excess spread."""
+    is reserved) and layers that would keep more than everything are capped, their excess spread.
+    ``storage`` applies to every layer's copy."""
+
+    TEST_PARAMS = {"budget": 12, "compression_ratio": None, "beta": 4}
+    FUZZ = [{**alt, "beta": [1, 4, 20, 30]} for alt in EvictionPolicy.FUZZ]
 
     policy: object = field(default_factory=lambda: dict(_SNAPKV))
-    budget: int | None = None
-    compression_ratio: float | None = None
-    beta: float = 20.0
+    budget: int | None = Int(None, low=1, null=True)
+    compression_ratio: float | None = Float(0.5, 0.0, 1.0, high_open=True, null=True)
+    beta: float = Float(20.0, 1.0, 1e9)
 
     def __post_init__(self):
-        if self.beta < 1.0:
-            raise ValueError(f"pyramidkv.beta={self.beta} must be >= 1")
         try:
             probe = self.policy if isinstance(self.policy, Policy) else self._inner(1, None)
         except TypeError as err:  # a policy without budget / compression_ratio fields
@@ -77,11 +80,17 @@ class PyramidKVPolicy(Policy):
         if not isinstance(probe, EvictionPolicy):
             allowed = "h2o, snapkv, tova"
             raise ValueError(f"pyramidkv.policy must be an eviction policy ({allowed}), got {probe.name}")
-        EvictionPolicy.__post_init__(self)  # exactly one of budget / compression_ratio, in range
+        check_one_budget(self)
+        super().__post_init__()
+        self._schedules: dict = {}
 
     @property
     def name(self) -> str:
         return "pyramidkv"
+
+    @property
+    def evicts(self) -> str:
+        return self._inner(1, None).evicts
 
     def _inner(self, budget: int | None, ratio: float | None) -> EvictionPolicy:
         if isinstance(self.policy, Policy):
@@ -89,14 +98,18 @@ class PyramidKVPolicy(Policy):
         return _as_policy({**dict(self.policy), "budget": budget, "compression_ratio": ratio})
 
     def schedule(self, num_layers: int) -> SchedulePolicy:
-        """The per-layer schedule this policy stands for."""
+        """The per-layer schedule this policy stands for (the same object for a given depth)."""
+        if num_layers in self._schedules:
+            return self._schedules[num_layers]
         if self.budget is not None:
             budgets = pyramid_budgets(self.budget, num_layers, self.beta, self._inner(1, None).reserved)
             per_layer = [self._inner(b, None) for b in budgets]
         else:
             keep = pyramid_fractions(1.0 - self.compression_ratio, num_layers, self.beta)
             per_layer = [self._inner(None, max(0.0, 1.0 - f)) for f in keep]
-        return SchedulePolicy(rules=[{"layers": i, "policy": p} for i, p in enumerate(per_layer)])
+        rules = [{"layers": i, "policy": p} for i, p in enumerate(per_layer)]
+        self._schedules[num_layers] = SchedulePolicy(rules=rules, storage=self.storage)
+        return self._schedules[num_layers]
 
     def budgets(self, num_layers: int) -> list:
         """Each layer's budget (or compression ratio), for reports."""
@@ -105,13 +118,18 @@ class PyramidKVPolicy(Policy):
     def check(self, spec: ModelSpec) -> None:
         self.schedule(spec.num_layers).check(spec)
 
+    def prepare(self, model) -> None:
+        from kvcompress.cache import model_spec
+
+        self.schedule(model_spec(model).num_layers).prepare(model)
+
     def covering(self, n_tokens: int) -> Policy:
-        return SchedulePolicy(default=self._inner(n_tokens, None))
+        return SchedulePolicy(default=self._inner(n_tokens, None), storage=self.storage).covering(n_tokens)
 
     def layer(self, layer_idx: int, spec: ModelSpec) -> PolicyLayer:
         return self.schedule(spec.num_layers).layer(layer_idx, spec)
 
     def describe(self) -> dict:
         inner = self.policy.describe() if isinstance(self.policy, Policy) else dict(self.policy)
-        return {"name": self.name, "policy": inner, "budget": self.budget,
-                "compression_ratio": self.compression_ratio, "beta": self.beta}  # fmt: skip
+        fields = {"budget": self.budget, "compression_ratio": self.compression_ratio, "beta": self.beta}
+        return {"name": self.name, "policy": inner, **fields, "storage": self.storage.describe()}

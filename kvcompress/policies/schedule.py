@@ -1,4 +1,4 @@
-"""Per-layer schedules: give each decoder layer its own policy or parameters.
+"""Per-layer schedules: give each decoder layer its own selector, storage, or both.
 
 Example (Hydra, ``conf/policy/<name>.yaml``)::
 
@@ -7,13 +7,17 @@ Example (Hydra, ``conf/policy/<name>.yaml``)::
     rules:
       - {layers: "0-1", policy: {_target_: kvcompress.policies.FullPolicy}}
       - {layers: "-4:", policy: {_target_: kvcompress.policies.SlidingWindowPolicy, window: 128}}
+      - {layers: "2:", storage: {name: quant, bits: 4}}
 
 ``layers`` is an int, ``"a-b"`` (inclusive), a Python slice ``"a:b"`` (negatives count from the last
-layer) or a list of those. The first rule naming a layer wins; other layers get ``default``.
+layer) or a list of those. For each layer the first rule with a ``policy`` naming it sets the selector
+(else ``default``) and the first rule with a ``storage`` naming it sets the storage (else the schedule's
+``storage``, else the selector's own).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from kvcompress.policies.base import ModelSpec, Policy, PolicyLayer
@@ -46,7 +50,18 @@ def _as_policy(p) -> Policy:
         return p
     from kvcompress.cache import make_policy
 
-    return make_policy(dict(p)) if isinstance(p, dict) else make_policy(p)
+    return make_policy(dict(p)) if isinstance(p, dict) or hasattr(p, "items") else make_policy(p)
+
+
+def with_storage(policy: Policy, storage) -> Policy:
+    """``policy``'s selector over ``storage`` (a storage preset such as ``quant`` becomes ``full``)."""
+    from kvcompress.policies.full import FullPolicy, StoragePreset
+    from kvcompress.registry import make_storage
+
+    storage = make_storage(storage)
+    if isinstance(policy, StoragePreset):
+        return FullPolicy(storage=storage)
+    return dataclasses.replace(policy, storage=storage)
 
 
 @dataclass
@@ -58,46 +73,96 @@ class SchedulePolicy(Policy):
 
     def __post_init__(self):
         self.default = None if self.default is None else _as_policy(self.default)
+        rules = []
         for rule in self.rules:
-            if not {"layers", "policy"} <= set(rule):
-                raise ValueError(f"schedule rule {rule!r} needs 'layers' and 'policy'")
-        self.rules = [{"layers": r["layers"], "policy": _as_policy(r["policy"])} for r in self.rules]
+            rule = dict(rule)
+            if "layers" not in rule or not ({"policy", "storage"} & set(rule)):
+                raise ValueError(f"schedule rule {rule!r} needs 'layers' and a 'policy', a 'storage' or both")
+            if "policy" in rule:
+                rule["policy"] = _as_policy(rule["policy"])
+            rules.append(rule)
+        self.rules, self._assigned = rules, {}
 
     @property
     def name(self) -> str:
         return "schedule"
 
-    def assignment(self, num_layers: int) -> list[Policy]:
-        """The policy of every layer, in order."""
-        chosen: list[Policy | None] = [None] * num_layers
+    @property
+    def evicts(self) -> str:
+        kinds = {p.evicts for p in [self.default, *(r["policy"] for r in self.rules if "policy" in r)] if p}
+        return next((k for k in ("always", "prefill") if k in kinds), "never")
+
+    def _pick(self, key: str, num_layers: int) -> list:
+        chosen = [None] * num_layers
         for rule in self.rules:
-            for i in parse_layers(rule["layers"], num_layers):
-                chosen[i] = chosen[i] or rule["policy"]
-        missing = [i for i, p in enumerate(chosen) if p is None and self.default is None]
+            if key in rule:
+                for i in parse_layers(rule["layers"], num_layers):
+                    chosen[i] = chosen[i] if chosen[i] is not None else rule[key]
+        return chosen
+
+    def assignment(self, num_layers: int) -> list[Policy]:
+        """The policy of every layer, in order (the same objects on every call)."""
+        if num_layers in self._assigned:
+            return self._assigned[num_layers]
+        selectors = [p or self.default for p in self._pick("policy", num_layers)]
+        missing = [i for i, p in enumerate(selectors) if p is None]
         if missing:
             raise ValueError(f"schedule: layers {missing} match no rule and there is no default policy")
-        return [p or self.default for p in chosen]
+        storages = [s if s is not None else self.storage for s in self._pick("storage", num_layers)]
+        made: dict = {}  # one object per distinct (selector, storage) pair: prepared once
+        out = []
+        for p, s in zip(selectors, storages, strict=True):
+            key = (id(p), id(s))
+            if key not in made:
+                made[key] = p if s is None else with_storage(p, s)
+            out.append(made[key])
+        self._assigned[num_layers] = out
+        return out
+
+    def _unique(self, num_layers: int) -> list[Policy]:
+        return list({id(p): p for p in self.assignment(num_layers)}.values())
 
     def check(self, spec: ModelSpec) -> None:
-        for policy in {id(p): p for p in self.assignment(spec.num_layers)}.values():
+        for policy in self._unique(spec.num_layers):
             policy.check(spec)
 
     def prepare(self, model) -> None:
         from kvcompress.cache import model_spec
 
-        for policy in {id(p): p for p in self.assignment(model_spec(model).num_layers)}.values():
+        for policy in self._unique(model_spec(model).num_layers):
             policy.prepare(model)
 
     def covering(self, n_tokens: int) -> SchedulePolicy:
-        rules = [{"layers": r["layers"], "policy": r["policy"].covering(n_tokens)} for r in self.rules]
-        return SchedulePolicy(self.default and self.default.covering(n_tokens), rules)
+        """Every rule's policy at covering budget; storage rules resolved into their policies."""
+        rules = [{**r, "policy": r["policy"].covering(n_tokens)} if "policy" in r else r for r in self.rules]
+        rules = [
+            {**r, "storage": _storage_of(r["storage"]).covering(n_tokens)} if "storage" in r else r
+            for r in rules
+        ]
+        storage = None if self.storage is None else _storage_of(self.storage).covering(n_tokens)
+        return SchedulePolicy(self.default and self.default.covering(n_tokens), rules, storage=storage)
 
     def layer(self, layer_idx: int, spec: ModelSpec) -> PolicyLayer:
         return self.assignment(spec.num_layers)[layer_idx].layer(layer_idx, spec)
 
     def describe(self) -> dict:
+        def rule(r):
+            out = {"layers": r["layers"]}
+            if "policy" in r:
+                out["policy"] = r["policy"].describe()
+            if "storage" in r:
+                out["storage"] = _storage_of(r["storage"]).describe()
+            return out
+
         return {
             "name": self.name,
             "default": self.default.describe() if self.default else None,
-            "rules": [{"layers": r["layers"], "policy": r["policy"].describe()} for r in self.rules],
+            "rules": [rule(r) for r in self.rules],
+            "storage": None if self.storage is None else _storage_of(self.storage).describe(),
         }
+
+
+def _storage_of(spec):
+    from kvcompress.registry import make_storage
+
+    return make_storage(spec)

@@ -5,46 +5,24 @@ Xiao et al., "Efficient Streaming Language Models with Attention Sinks", arXiv 2
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from kvcompress.policies.base import ModelSpec, Policy, PolicyLayer
-
-
-@dataclass
-class SlidingWindowPolicy(Policy):
-    """Keep the first ``sink_tokens`` real tokens and the last ``window`` tokens; evict the rest."""
-
-    sink_tokens: int = 4
-    window: int = 252
-
-    def __post_init__(self):
-        self.require_ints(sink_tokens=0, window=1)
-
-    @property
-    def name(self) -> str:
-        return "sliding_window"
-
-    @property
-    def budget(self) -> int:
-        return self.sink_tokens + self.window
-
-    def covering(self, n_tokens: int) -> SlidingWindowPolicy:
-        return SlidingWindowPolicy(self.sink_tokens, max(self.window, n_tokens))
-
-    def layer(self, layer_idx: int, spec: ModelSpec) -> PolicyLayer:
-        return SlidingWindowLayer(self, layer_idx, spec)
+from kvcompress.fields import Int
+from kvcompress.policies.base import Policy, Shape
+from kvcompress.policies.layer import PolicyLayer
 
 
 class SlidingWindowLayer(PolicyLayer):
     """Evicts after each step so that at most ``sink_tokens + window`` tokens stay stored."""
 
-    def compress(self) -> None:
+    def compress(self, keys, values) -> None:
         total, budget = self.stored_length(), self.policy.budget
         if total <= budget:
             return
-        if self.valid is None:  # no padding: sinks are the first tokens, two slice copies
+        if self.valid is None:  # no padding: sinks are the first tokens, two slices
             self.keep_spans([(0, self.policy.sink_tokens), (total - self.policy.window, total)])
             return
         self.keep(self._priority(total).topk(budget, dim=-1).indices)
@@ -58,3 +36,31 @@ class SlidingWindowLayer(PolicyLayer):
         recent = t >= total - self.policy.window
         older = t.float() / total  # among the rest prefer newer tokens
         return valid * (1.0 + older) + recent * 2.0 * valid + sink * 4.0
+
+
+@dataclass
+class SlidingWindowPolicy(Policy):
+    """Keep the first ``sink_tokens`` real tokens and the last ``window`` tokens; evict the rest."""
+
+    layer_class = SlidingWindowLayer
+    evicts = "always"
+    TEST_PARAMS = {"sink_tokens": 2, "window": 12}
+    FUZZ = {"sink_tokens": (0, 6), "window": (1, 24)}
+
+    sink_tokens: int = Int(4, low=0)
+    window: int = Int(252, low=1)
+
+    @property
+    def name(self) -> str:
+        return "sliding_window"
+
+    @property
+    def budget(self) -> int:
+        return self.sink_tokens + self.window
+
+    def covering(self, n_tokens: int) -> SlidingWindowPolicy:
+        return dataclasses.replace(super().covering(n_tokens), window=max(self.window, n_tokens))
+
+    def kept_tokens(self, s: Shape) -> int:
+        """Sinks plus window: ``min(T, sink_tokens + window)``."""
+        return min(s.total, self.budget)

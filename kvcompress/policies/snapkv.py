@@ -10,44 +10,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvcompress.attention import window_scores
-from kvcompress.policies.base import ModelSpec
+from kvcompress.fields import Choice, Int, renamed
+from kvcompress.policies.base import Shape
 from kvcompress.policies.eviction import EvictionLayer, EvictionPolicy
 
-POOLINGS = ("max", "avg")
-
-
-@dataclass
-class SnapKVPolicy(EvictionPolicy):
-    """Compress each prefill step to the budget: sum the attention of the last ``window`` queries over the
-    prefix, pool it along the sequence (``kernel_size``, ``pooling``) so neighbours of a hit survive
-    with it, keep the top-k per KV head plus the window itself. Decode tokens are appended; with
-    ``slack`` set, the cache is re-compressed (observation window = the last ``window`` queries) whenever
-    it exceeds ``budget + slack``.
-    """
-
-    window: int = 32
-    kernel_size: int = 5
-    pooling: str = "avg"
-    slack: int | None = None
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.window < 1:
-            raise ValueError(f"snapkv.window={self.window} must be >= 1")
-        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise ValueError(f"snapkv.kernel_size={self.kernel_size} must be an odd integer >= 1")
-        if self.pooling not in POOLINGS:
-            raise ValueError(f"snapkv.pooling={self.pooling!r} is not supported; allowed: {list(POOLINGS)}")
-        if self.slack is not None and self.slack < 0:
-            raise ValueError(f"snapkv.slack={self.slack} must be >= 0 or null (never re-compress)")
-
-    @property
-    def reserved(self) -> int:
-        return self.window
-
-    def layer(self, layer_idx: int, spec: ModelSpec) -> SnapKVLayer:
-        return SnapKVLayer(self, layer_idx, spec)
+POOLINGS = ("avg", "max")
 
 
 def pool_scores(scores: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
@@ -59,17 +26,16 @@ def pool_scores(scores: torch.Tensor, kernel_size: int, pooling: str) -> torch.T
 
 
 class SnapKVLayer(EvictionLayer):
-    """With ``slack`` set, also holds the last ``window`` queries (B, H, w, D) for re-compression."""
+    """With ``slack`` set, also holds the last ``observation_window`` queries (B, H, w, D)."""
 
-    def __init__(self, policy, layer_idx, spec):
-        super().__init__(policy, layer_idx, spec)
-        self.queries: torch.Tensor | None = None
+    per_row = ("queries",)
 
-    def observe_attention(self, query, key, scaling: float) -> None:
+    def observe_attention(self, query, key, scaling: float, probs=None) -> None:
         p, k, stored = self.policy, self.target(), self.stored_length()
-        if p.slack is not None:  # the stream's last `window` queries, aligned with the last stored keys
+        w = p.observation_window
+        if p.slack is not None:  # the stream's last `w` queries, aligned with the last stored keys
             q = query if self.queries is None else torch.cat([self.queries, query], dim=2)
-            self.queries = q[:, :, -p.window :].clone()
+            self.queries = q[:, :, -w:].clone()
         if query.shape[2] > 1 and stored > k:
             self.compress_with(query, key, scaling, k)
         elif query.shape[2] == 1 and p.slack is not None and stored > k + p.slack:
@@ -77,20 +43,65 @@ class SnapKVLayer(EvictionLayer):
 
     def compress_with(self, queries, key, scaling: float, k: int) -> None:
         """Keep the window (the last ``w`` tokens) and the ``k - w`` prefix tokens the window votes for."""
-        w = min(self.policy.window, queries.shape[2], k)
-        votes = window_scores(queries[:, :, -w:], key, scaling, self.valid).sum(dim=2)  # (B, H_kv, T)
+        w = min(self.policy.observation_window, queries.shape[2], k)
+        votes = self.scores(queries, key, scaling, w).sum(dim=2)  # (B, H_kv, T)
         t = votes.shape[-1]
         prefix = pool_scores(votes[..., : t - w], self.policy.kernel_size, self.policy.pooling)
         self.select(torch.cat([prefix, votes[..., t - w :]], dim=-1), k, protect=w)
 
-    def reorder_cache(self, beam_idx) -> None:
-        super().reorder_cache(beam_idx)
-        if self.queries is not None:
-            self.queries = self.queries.index_select(0, beam_idx.to(self.queries.device))
 
-    def reset(self) -> None:
-        super().reset()
-        self.queries = None
+@dataclass
+class SnapKVPolicy(EvictionPolicy):
+    """Compress each prefill step to the budget: sum the attention of the last ``observation_window``
+    queries over the prefix, pool it along the sequence (``kernel_size``, ``pooling``) so neighbours of a
+    hit survive with it, keep the top-k per KV head plus the window itself. Decode tokens are appended;
+    with ``slack`` set, the cache is re-compressed (over the last ``observation_window`` queries) whenever
+    it exceeds ``budget + slack``. ``window`` is the deprecated spelling of ``observation_window``.
+    """
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [*super().tensors(), self.queries]
+    layer_class = SnapKVLayer
+    TEST_PARAMS = {
+        "budget": 12, "compression_ratio": None, "observation_window": 4, "kernel_size": 3, "slack": 3,
+    }  # fmt: skip
+    # slack=None: with slack SnapKV also holds its last queries (counted in memory_bytes), which on
+    # sequences shorter than about budget + 1.5 x window is more than the full cache holds.
+    FUZZ = [
+        {**alt, "observation_window": (1, 8), "kernel_size": [1, 3, 5], "slack": None}
+        for alt in EvictionPolicy.FUZZ
+    ]
+
+    observation_window: int = Int(32, low=1)
+    kernel_size: int = Int(5, low=1)
+    pooling: str = Choice("avg", POOLINGS)
+    slack: int | None = Int(None, low=0, null=True)
+    window: int | None = Int(None, low=1, null=True)
+
+    def __post_init__(self):
+        super().__post_init__()
+        renamed(self, "window", "observation_window")
+        if self.kernel_size % 2 == 0:
+            raise ValueError(f"snapkv.kernel_size={self.kernel_size} must be an odd integer >= 1")
+
+    @property
+    def evicts(self) -> str:
+        return "prefill" if self.slack is None else "always"
+
+    @property
+    def reserved(self) -> int:
+        return self.observation_window
+
+    def kept_tokens(self, s: Shape) -> int:
+        """The prompt compressed to ``min(n, keep_count(n))``; decode tokens appended, or with ``slack`` a
+        step that leaves more than ``keep_count(t) + slack`` compresses back to ``keep_count(t)``."""
+        stored = min(s.prefill, self.keep_count(s.prefill))
+        for t in range(s.prefill + 1, s.total + 1):
+            stored += 1
+            if self.slack is not None and stored > self.keep_count(t) + self.slack:
+                stored = self.keep_count(t)
+        return stored
+
+    def state_bytes(self, s: Shape, kept: int) -> int:
+        """With ``slack``: the last ``min(window, T)`` queries (B, H, w, D) in the model dtype."""
+        if self.slack is None:
+            return 0
+        return s.batch * s.heads * min(self.observation_window, s.total) * s.head_dim * s.dtype_bytes

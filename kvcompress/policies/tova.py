@@ -7,19 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcompress.attention import window_scores
-from kvcompress.policies.base import ModelSpec
 from kvcompress.policies.eviction import EvictionLayer, EvictionPolicy
-
-
-@dataclass
-class TOVAPolicy(EvictionPolicy):
-    """Once the layer holds more than its budget, drop the tokens with the lowest attention from the
-    step's last query, averaged over all heads of the layer (the paper's layer-wise variant: every head
-    keeps the same tokens, as in the authors' cache). Nothing is protected, not even the newest token."""
-
-    def layer(self, layer_idx: int, spec: ModelSpec) -> TOVALayer:
-        return TOVALayer(self, layer_idx, spec)
 
 
 class TOVALayer(EvictionLayer):
@@ -28,9 +16,19 @@ class TOVALayer(EvictionLayer):
 
     order_free = True
 
-    def observe_attention(self, query, key, scaling: float) -> None:
+    def observe_attention(self, query, key, scaling: float, probs=None) -> None:
         k = self.target()
         if self.stored_length() <= k:
             return
-        probs = window_scores(query[:, :, -1:], key, scaling, self.valid)  # (B, H_kv, 1, T)
-        self.select(probs[:, :, 0].mean(dim=1, keepdim=True), k)  # (B, 1, T)
+        last = self.scores(query, key, scaling, 1, probs)  # (B, H_kv, 1, T)
+        self.select(last[:, :, 0].mean(dim=1, keepdim=True), k)  # (B, 1, T)
+
+
+@dataclass
+class TOVAPolicy(EvictionPolicy):
+    """Once the layer holds more than its budget, drop the tokens with the lowest attention from the
+    step's last query, averaged over all heads of the layer (the paper's layer-wise variant: every head
+    keeps the same tokens, as in the authors' cache). Nothing is protected, not even the newest token."""
+
+    layer_class = TOVALayer
+    TEST_PARAMS = {"budget": 12, "compression_ratio": None}

@@ -9,7 +9,7 @@ from helpers import held_tensors, stream_logits
 
 from kvcompress import build_cache, make_policy
 from kvcompress.policies import FullPolicy, ModelSpec, QuantPolicy
-from kvcompress.policies import quantizer as Q
+from kvcompress.storage import quantizer as Q
 
 
 def spy_keys(layer):

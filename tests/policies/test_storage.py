@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from kvcompress import build_cache
 from kvcompress.policies.base import PolicyLayer
-from kvcompress.policies.storage import Slots, gather_tokens, headroom
+from kvcompress.storage.buffers import Slots, gather_tokens, headroom
 
 
 def _tokens(b=2, h=3, t=300, d=8, seed=0):

@@ -121,3 +121,17 @@ def _rows(x: torch.Tensor) -> torch.Tensor | None:
     if cap == t:
         return None
     return x.as_strided((b * h * cap, d), (d, 1))
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a view keeps its whole storage alive)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total

@@ -1,0 +1,201 @@
+"""The cache layer every selector builds: a transformers ``CacheLayerMixin`` over a storage ``Store``.
+
+It keeps what all selectors share: tokens consumed (``seen``, the absolute position of the next token),
+the validity of stored tokens once padding appears, eviction counts, and the selector's own per-token
+and per-row tensors (named in ``per_token`` / ``per_row``, moved with every eviction and beam reorder).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from kvcompress import attention
+from kvcompress.storage.buffers import storage_bytes
+
+
+class PolicyLayer(CacheLayerMixin):
+    """Stores every token (the ``full`` selector). Subclasses select in ``compress()`` (after the step's
+    tokens are appended) or in ``observe_attention()`` (after attention, when ``wants_scores``)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+    wants_scores = False
+    order_free = False  # True: no decision depends on stored order, so evicting one token may reorder
+    per_token: tuple[str, ...] = ()  # (B, 1 or H_kv, T) tensors aligned with the stored tokens
+    per_row: tuple[str, ...] = ()  # (B, ...) tensors
+
+    def __init__(self, policy, layer_idx: int, spec, store):
+        super().__init__()
+        self.policy, self.layer_idx, self.spec, self.store = policy, layer_idx, spec, store
+        self.valid: torch.Tensor | None = None  # (B, 1 or H_kv, T) bool; None = no padding stored
+        self.seen = self.evicted = 0
+        self._view: tuple[int, torch.Tensor | None] | None = None
+        for name in self.per_token + self.per_row:
+            setattr(self, name, None)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.is_initialized = True
+
+    # -- the transformers contract -------------------------------------------------------------
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Store this step's keys/values (B, H_kv, q, D); return what this step's attention must see."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        b, _, q, _ = key_states.shape
+        new_valid = attention.new_token_validity(b, q, key_states.device)
+        self.on_append(key_states, new_valid)
+        self.valid = _cat_valid(self.valid, new_valid, self.stored_length(), b, q, key_states.device)
+        self.store.append(key_states, value_states)
+        self.seen += q
+        keys, values = self.store.read()
+        self._view = (keys.shape[-2], self.valid)
+        self.compress(keys, values)
+        if not self.wants_scores:
+            self.end_step()
+        return keys, values
+
+    def end_step(self) -> None:
+        """After the step's last decision: the storage compresses what waited (quantize, project)."""
+        self.store.flush(self.valid)
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        stored = self.stored_length()
+        return stored + query_length, self.seen - stored
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.store.reset()
+        self.valid = self._view = None
+        self.seen = self.evicted = 0
+        for name in self.per_token + self.per_row:
+            setattr(self, name, None)
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.store.reorder(beam_idx)
+        for name in ("valid", *self.per_token, *self.per_row):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, beam_idx.to(t.device)))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot roll back tokens (assisted decoding)")
+
+    # -- selection ------------------------------------------------------------------------------
+    def on_append(self, key_states: torch.Tensor, new_valid: torch.Tensor | None) -> None:
+        """Before the step's tokens (B, H_kv, q, D) are stored: grow the selector's own state."""
+
+    def compress(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Select after a step's tokens were appended; ``keys``/``values`` (B, H_kv, T, D) are what this
+        step's attention reads (sliding windows, page summaries)."""
+
+    def stored_length(self) -> int:
+        return self.store.length
+
+    def keep(self, idx: torch.Tensor, is_sorted: bool = False) -> torch.Tensor:
+        """Keep only the tokens ``idx`` (B, 1 or H_kv, k); the storage frees the others.
+
+        Returns the kept indices in stored order (``idx`` sorted unless ``is_sorted`` says it already is).
+        """
+        before = self.stored_length()
+        idx = idx if is_sorted else idx.sort(dim=-1).values
+        self.store.keep(idx)
+        for name in ("valid", *self.per_token):  # shared (B, 1, T) tensors turn per head when heads differ
+            t = getattr(self, name)
+            if t is not None:
+                h = max(t.shape[1], idx.shape[1])
+                setattr(self, name, t.expand(-1, h, -1).gather(-1, idx.expand(t.shape[0], h, -1)))
+        self.evicted += before - idx.shape[-1]
+        return idx
+
+    def drop_one(self, slot: torch.Tensor) -> bool:
+        """Evict token ``slot`` (B, 1 or H_kv, 1) of every row and head by moving the newest token into its
+        place (stored order not kept: only for ``order_free`` selectors). False, doing nothing, when the
+        storage cannot do it in place or padding is stored."""
+        if self.valid is not None or not self.store.drop_one(slot):
+            return False
+        for name in self.per_token:
+            x = getattr(self, name)
+            t = x.shape[-1]
+            x.scatter_(-1, slot.expand(-1, x.shape[1], -1), x[..., t - 1 :].clone())
+            setattr(self, name, x[..., : t - 1])
+        self.evicted += 1
+        return True
+
+    def keep_spans(self, spans: list[tuple[int, int]]) -> None:
+        """Keep only the token ranges ``[a, b)`` (the same in every row and head; no padding stored)."""
+        before = self.stored_length()
+        self.store.keep_spans(spans)
+        self.evicted += before - self.stored_length()
+
+    # -- bytes and counters ---------------------------------------------------------------------
+    def tensors(self) -> list[torch.Tensor]:
+        own = [getattr(self, name) for name in (*self.per_token, *self.per_row)]
+        return [*self.store.tensors(), self.valid, *own]
+
+    def memory_bytes(self) -> int:
+        return storage_bytes(self.tensors())
+
+    def stats(self) -> dict:
+        return {
+            "layer": self.layer_idx,
+            "policy": self.policy.name,
+            "selector": self.policy.selector,
+            "tokens_seen": self.seen,
+            "tokens_stored": self.stored_length(),
+            "tokens_evicted": self.evicted,
+            "bytes": self.memory_bytes(),
+            **self.store.stats(),
+        }
+
+    # -- attention ------------------------------------------------------------------------------
+    def attend(self, query, key, value):
+        """What this step's query (B, H, q, D) reads: keys/values (B, H_kv, T, D) and a mask."""
+        return key, value, self.attention_mask(query.shape[2])
+
+    def observe_attention(self, query, key, scaling: float, probs=None) -> None:
+        """Called after attention when ``wants_scores``. ``probs`` (B, H_kv, 1, T) are the decode step's
+        attention probabilities when the attention function already computed them, else None."""
+
+    def scores(self, query, key, scaling: float, window: int, probs=None) -> torch.Tensor:
+        """Attention of the last ``window`` queries (B, H_kv, w, T), reusing ``probs`` when they are it."""
+        w = min(window, query.shape[2])
+        if probs is not None and w == probs.shape[2] and self.valid is None:
+            return probs
+        return attention.window_scores(query[:, :, -w:], key, scaling, self.valid)
+
+    def attention_mask(self, q: int) -> torch.Tensor | None:
+        """Boolean mask (B, 1 or H_kv, q, T) for what ``update`` returned, or None for plain causal."""
+        total, valid = self._view
+        self._view = (total, None) if valid is not None else self._view  # drop the transient reference
+        if valid is None and (q == 1 or q == total):
+            return None
+        kpos = torch.arange(total, device=self.device) - (total - q)
+        mask = (kpos[None, :] <= torch.arange(q, device=self.device)[:, None])[None, None]
+        if valid is not None:
+            mask = mask & valid[:, :, None, :]
+            mask = mask | ~mask.any(-1, keepdim=True)  # padding queries: avoid all-masked rows (NaN)
+        return mask
+
+
+def _cat_valid(old, new, stored: int, batch: int, q: int, device):
+    """Validity (B, h, stored + q) of stored + new tokens, or None while no padding was ever seen."""
+    if old is None and new is None:
+        return None
+    h = 1 if old is None else old.shape[1]
+    if old is None:
+        old = torch.ones(batch, 1, stored, dtype=torch.bool, device=device)
+    new = (
+        torch.ones(batch, h, q, dtype=torch.bool, device=device)
+        if new is None
+        else new[:, None].expand(-1, h, -1)
+    )
+    return torch.cat([old, new], dim=-1)

@@ -1,0 +1,141 @@
+"""The storage axis: how a layer holds the tokens its selector keeps.
+
+A ``Storage`` is a small config dataclass (its fields are its Hydra config, ``conf/storage/<name>.yaml``);
+``layer()`` builds one ``Store`` per decoder layer. Selectors (``kvcompress.policies``) talk to a store only
+through the interface below, so every selector runs over every storage, or ``refuses`` says why not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvcompress.fields import validate
+from kvcompress.spec import ModelSpec, Shape
+
+
+@dataclass
+class Storage:
+    """Base of storage configs. Subclasses set ``name`` and ``store_class`` and add fields.
+
+    Class attributes read by the generic tests: ``TEST_PARAMS`` (small variants that really compress a
+    48-token test sequence) and ``FUZZ`` (field -> ``(lo, hi)`` int range, list of choices, or a value).
+    """
+
+    name: ClassVar[str] = "storage"
+    store_class: ClassVar[type] = None
+    TEST_PARAMS: ClassVar[list[dict]] = [{}]
+    FUZZ: ClassVar[dict] = {}
+
+    def __post_init__(self):
+        validate(self, self.name)
+
+    def check(self, spec: ModelSpec) -> None:
+        """Validate fields against the model (e.g. a group size that must divide head_dim)."""
+
+    def prepare(self, model) -> None:
+        """Called once by ``build_cache`` before layers are built (calibration)."""
+
+    def refuses(self, selector) -> str | None:
+        """Why this storage cannot serve ``selector`` (a ``Policy``), or None when the pair works."""
+        return None
+
+    def covering(self, n_tokens: int) -> Storage:
+        """A copy that stores ``n_tokens`` tokens exactly (no quantization or projection yet)."""
+        return self
+
+    def layer(self, layer_idx: int, spec: ModelSpec) -> Store:
+        return self.store_class(self, layer_idx, spec)
+
+    def describe(self) -> dict:
+        return {"name": self.name, **dataclasses.asdict(self)}
+
+    # -- memory formula ---------------------------------------------------------------------
+    def bytes_for(self, s: Shape, tokens: int) -> int | None:
+        """Bytes one layer holds for ``tokens`` stored tokens when the newest ones are the most recent
+        (no eviction inside a residual window); None when not determined by the count alone."""
+        return s.kv(tokens)
+
+    def fixed_bytes(self, s: Shape, layer_idx: int) -> int:
+        """Per-layer constants held whatever the tokens (a low-rank basis)."""
+        return 0
+
+    @property
+    def count_exact(self) -> bool:
+        """Whether ``bytes_for`` holds under any eviction pattern (False when a residual window exists)."""
+        return True
+
+
+class Store:
+    """One layer's tokens. Keys/values enter and leave as ``(B, H_kv, T, D)`` in the model dtype.
+
+    Interface used by selectors: ``append``, ``read``, ``keep`` (an index set, per row and head),
+    ``keep_spans``/``drop_one`` (fast paths, optional), ``flush`` (end of a step), ``tensors``.
+    """
+
+    def __init__(self, config: Storage, layer_idx: int, spec: ModelSpec):
+        self.config, self.layer_idx, self.spec = config, layer_idx, spec
+
+    @property
+    def length(self) -> int:
+        raise NotImplementedError
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store this step's tokens (B, H_kv, q, D) after those already held."""
+        raise NotImplementedError
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense keys and values (B, H_kv, T, D) of every stored token, for this step's attention."""
+        raise NotImplementedError
+
+    def keep(self, idx: torch.Tensor) -> None:
+        """Keep only tokens ``idx`` (B, 1 or H_kv, k), ascending; the others' storage is freed."""
+        raise NotImplementedError
+
+    def keep_spans(self, spans: list[tuple[int, int]]) -> None:
+        """Keep the token ranges ``[a, b)`` (the same in every row and head)."""
+        device = self.read_device()
+        idx = torch.cat([torch.arange(a, b, device=device) for a, b in spans])
+        self.keep(idx.view(1, 1, -1))
+
+    def drop_one(self, slot: torch.Tensor) -> bool:
+        """Evict token ``slot`` (B, 1 or H_kv, 1) by moving the newest into its place; False when the store
+        cannot (the caller then uses ``keep``)."""
+        return False
+
+    def flush(self, valid: torch.Tensor | None = None) -> None:
+        """End of a step: compress what waited in full precision (quantize, project). ``valid``
+        (B, 1 or H_kv, T) marks the stored tokens that are padding (False), or None without padding."""
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        raise NotImplementedError
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        """Every tensor held, per-layer constants included."""
+        raise NotImplementedError
+
+    def fixed_tensors(self) -> list[torch.Tensor]:
+        """Per-layer constants (shared by every sequence), reported apart from per-token bytes."""
+        return []
+
+    def stats(self) -> dict:
+        return {"storage": self.config.name}
+
+    def read_device(self) -> torch.device:
+        return next(t for t in self.tensors() if t is not None).device
+
+
+def reorder_all(obj, names, beam_idx: torch.Tensor) -> None:
+    """``index_select`` rows ``beam_idx`` of every tensor attribute ``names`` of ``obj`` (beam search)."""
+    for name in names:
+        t = getattr(obj, name)
+        if isinstance(t, torch.Tensor):
+            setattr(obj, name, t.index_select(0, beam_idx.to(t.device)))
+        elif isinstance(t, tuple):
+            setattr(obj, name, type(t)(*(x.index_select(0, beam_idx.to(x.device)) for x in t)))
