@@ -2,56 +2,60 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-POLICY_NAMES = sorted(p.stem for p in (CONF_DIR / "policy").glob("*.yaml"))
+from kvcompress.cache import known_policies, known_storages, make_policy
+from kvcompress.policies import Policy, SchedulePolicy, StoragePreset
+from kvcompress.registry import ENV, make_storage
 
-_QUANT = "kvcompress.policies.QuantPolicy"
+# Test-only configs (the example selector of tests/plugins) join the registry like a user's own package.
+PLUGINS = Path(__file__).resolve().parent / "plugins"
+os.environ[ENV] = os.pathsep.join(p for p in [os.environ.get(ENV, ""), str(PLUGINS / "conf")] if p)
+sys.path.insert(0, str(PLUGINS))
 
-# Budgets small enough that a 48-token test sequence is really compressed; policies not listed use
-# their defaults. A new policy adds its line here.
-SMALL = {
-    "sliding_window": {"sink_tokens": 2, "window": 12},
-    "quant": {"bits": 4, "group_size": 4, "residual_length": 8},
-    "mixed_precision": {
-        "default": {"_target_": _QUANT, "bits": 8, "group_size": 4, "residual_length": 8},
-        "rules": [
-            {"layers": "0", "policy": {"_target_": "kvcompress.policies.FullPolicy"}},
-            {
-                "layers": "-1:",
-                "policy": {"_target_": _QUANT, "bits": 2, "group_size": 4, "residual_length": 8},
-            },
-        ],
-    },
-    "h2o": {"budget": 12, "compression_ratio": None, "recent": 4, "window": 6},
-    "snapkv": {"budget": 12, "compression_ratio": None, "window": 4, "kernel_size": 3, "slack": 3},
-    "tova": {"budget": 12, "compression_ratio": None},
-    "pyramidkv": {"budget": 12, "compression_ratio": None, "beta": 4},
-    "block_sparse": {"block_size": 4, "top_k_blocks": 3},
-    "block_evict": {
-        "block_size": 4,
-        "budget": 16,
-        "keep_ratio": None,
-        "sink_tokens": 2,
-        "recent": 4,
-        "window": 4,
-    },
-    "low_rank": {"rank": 4, "residual_length": 4, "calibration_text": "random", "calibration_tokens": 64},
-    "window_schedule": {
-        "default": {"_target_": "kvcompress.policies.SlidingWindowPolicy", "sink_tokens": 2, "window": 12}
-    },
+POLICY_NAMES = known_policies()
+STORAGE_NAMES = known_storages()
+
+
+def small_policy(policy: Policy) -> Policy:
+    """``policy`` with the small test parameters each class declares (``TEST_PARAMS``), so that a 48-token
+    test sequence is really compressed; schedules get their parts' small versions."""
+    if isinstance(policy, SchedulePolicy):
+        rules = [{**r, "policy": small_policy(r["policy"])} if "policy" in r else r for r in policy.rules]
+        default = policy.default and small_policy(policy.default)
+        return SchedulePolicy(default=default, rules=rules, storage=policy.storage)
+    return dataclasses.replace(policy, **type(policy).TEST_PARAMS)
+
+
+def small(name: str) -> Policy:
+    return small_policy(make_policy(name))
+
+
+def is_selector(name: str) -> bool:
+    """A selector (not a storage preset such as ``quant`` nor a per-layer schedule of other policies)."""
+    return not isinstance(make_policy(name), (StoragePreset, SchedulePolicy))
+
+
+SELECTORS = [n for n in POLICY_NAMES if is_selector(n)]
+STORAGE_VARIANTS = {
+    f"{name}{i or ''}": {"name": name, **params}
+    for name in STORAGE_NAMES
+    for i, params in enumerate(type(make_storage(name)).TEST_PARAMS)
 }
 
-# Policies that keep metadata on top of a full cache may exceed the 5% default slack of the contract test.
-MAX_MEMORY_RATIO = {
-    "block_sparse": 1.3,  # Quest: page key min/max, 1/block_size of K+V
-    "h2o": 1.07,  # float32 score + int32 position per token and head: 6.25% of K+V at head_dim 16
-}
+
+def max_memory_ratio(policy: Policy, num_layers: int = 3) -> float:
+    """Bytes a policy may hold over ``full``'s for its own state (the largest its layers declare)."""
+    from kvcompress.memory_model import layer_policy_of
+
+    return max(type(layer_policy_of(policy, i, num_layers)).MAX_MEMORY_RATIO for i in range(num_layers))
 
 
 def _common(**extra):

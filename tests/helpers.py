@@ -15,8 +15,10 @@ def stream_logits(model, ids, cache, chunk: int):
 
 
 def held_tensors(obj, depth: int = 0):
-    """Every tensor reachable from ``obj``'s attributes (lists, tuples, dicts included)."""
-    if depth > 3:
+    """Every tensor reachable from ``obj``'s attributes (lists, tuples, dicts and its storage included)."""
+    from kvcompress.storage import Store
+
+    if depth > 4:
         return []
     found = []
     values = vars(obj).values() if hasattr(obj, "__dict__") else obj
@@ -27,6 +29,8 @@ def held_tensors(obj, depth: int = 0):
             found += held_tensors(v, depth + 1)
         elif isinstance(v, dict):
             found += held_tensors(list(v.values()), depth + 1)
+        elif isinstance(v, Store):
+            found += held_tensors(v, depth + 1)
     return found
 
 

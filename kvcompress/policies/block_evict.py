@@ -59,7 +59,7 @@ class BlockEvictPolicy(Policy):
 
     block_size: int = Int(32, low=1)
     budget: int | None = Int(None, low=1, null=True)
-    compression_ratio: float | None = Float(0.5, 0.0, 1.0, high_open=True, null=True)
+    compression_ratio: float | None = Float(None, 0.0, 1.0, high_open=True, null=True)
     sink_tokens: int = Int(4, low=0)
     recent: int = Int(64, low=0)
     observation_window: int = Int(32, low=1)
@@ -70,7 +70,7 @@ class BlockEvictPolicy(Policy):
         super().__post_init__()
         renamed(self, "keep_ratio", "compression_ratio", lambda keep: 1.0 - keep)
         renamed(self, "window", "observation_window")
-        check_one_budget(self)
+        check_one_budget(self)  # after the renames: keep_ratio may have set the ratio
         if self.budget is not None and self.budget < self.min_budget:
             raise ValueError(
                 f"block_evict.budget={self.budget} is below {self.min_budget} = (sink blocks "

@@ -27,8 +27,13 @@ BUDGET_FUZZ = [
 ]
 
 
+DEFAULT_RATIO = 0.5  # with neither budget nor compression_ratio set
+
+
 def check_one_budget(policy) -> None:
-    """Exactly one of ``budget`` and ``compression_ratio`` must be set."""
+    """At most one of ``budget`` and ``compression_ratio``; neither means ``compression_ratio=0.5``."""
+    if policy.budget is None and policy.compression_ratio is None:
+        policy.compression_ratio = DEFAULT_RATIO
     if (policy.budget is None) == (policy.compression_ratio is None):
         raise ValueError(
             f"{policy.name}: set exactly one of budget (tokens kept per layer and head) or "
@@ -39,14 +44,14 @@ def check_one_budget(policy) -> None:
 
 @dataclass
 class EvictionPolicy(Policy):
-    """Base of eviction policies: exactly one of ``budget`` (tokens kept per layer and head) or
-    ``compression_ratio`` (fraction of the tokens seen that is removed, in [0, 1))."""
+    """Base of eviction policies: one of ``budget`` (tokens kept per layer and head) or
+    ``compression_ratio`` (fraction of the tokens seen that is removed, in [0, 1); 0.5 when neither is set)."""
 
     evicts = "always"
     FUZZ = BUDGET_FUZZ
 
     budget: int | None = Int(None, low=1, null=True)
-    compression_ratio: float | None = Float(0.5, 0.0, 1.0, high_open=True, null=True)
+    compression_ratio: float | None = Float(None, 0.0, 1.0, high_open=True, null=True)
 
     def __post_init__(self):
         check_one_budget(self)

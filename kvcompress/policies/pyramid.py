@@ -69,7 +69,7 @@ class PyramidKVPolicy(Policy):
 
     policy: object = field(default_factory=lambda: dict(_SNAPKV))
     budget: int | None = Int(None, low=1, null=True)
-    compression_ratio: float | None = Float(0.5, 0.0, 1.0, high_open=True, null=True)
+    compression_ratio: float | None = Float(None, 0.0, 1.0, high_open=True, null=True)
     beta: float = Float(20.0, 1.0, 1e9)
 
     def __post_init__(self):

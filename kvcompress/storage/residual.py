@@ -28,6 +28,21 @@ def _gather(part: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return gather_tokens(flat, idx).view(*shape[:2], idx.shape[-1], *shape[3:])
 
 
+def _encoded_kept(idx: torch.Tensor, te: int) -> int:
+    """Encoded tokens that stay: the most any head keeps. Heads of a row may differ (the others encode a
+    few residual tokens early); rows may not, or a row's result would depend on the rest of its batch."""
+    if te == 0:
+        return 0
+    per_row = (idx < te).sum(-1).amax(-1)  # (B,)
+    if bool((per_row != per_row[0]).any()):
+        raise ValueError(
+            f"batch rows keep {per_row.tolist()} encoded tokens after eviction (padding or rows that "
+            "diverge): over quant or low_rank storage an evicting selector compresses each row on its own "
+            "only when all rows keep as many; run one sequence per batch (no padding) or use dense storage"
+        )
+    return int(per_row[0])
+
+
 class ResidualStore(Store):
     """``encoded[kind]``: tuple of tensors (B, H_kv, Te, ...) or None; ``residual[kind]`` (B, H_kv, Tr, D)."""
 
@@ -103,7 +118,7 @@ class ResidualStore(Store):
         b, h = self.residual["keys"].shape[:2]
         idx = idx.expand(b, h, -1)
         te = self.encoded_length
-        n_enc = int((idx < te).sum(-1).max()) if te else 0  # encoded tokens kept by the fullest row/head
+        n_enc = _encoded_kept(idx, te)
         head, tail = idx[..., :n_enc], idx[..., n_enc:] - te  # tail: residual positions only
         for kind in KINDS:
             res = self.residual[kind]

@@ -1,0 +1,114 @@
+"""Every selector over every storage (the product of conf/policy selectors and conf/storage variants):
+each cell either keeps the cache contract or is refused by ``build_cache`` with an error naming why."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import SELECTORS, STORAGE_VARIANTS, make_tiny, max_memory_ratio, small
+from helpers import held_tensors, stream_logits
+from transformers import DynamicCache
+
+from kvcompress import build_cache
+from kvcompress.registry import make_storage
+from kvcompress.storage.buffers import storage_bytes
+
+CELLS = [(sel, var) for sel in SELECTORS for var in STORAGE_VARIANTS]
+IDS = [f"{sel}-{var}" for sel, var in CELLS]
+# Decode-step eviction cannot run over per-channel quantization groups (a group shares one scale per
+# channel across group_size tokens); every other cell must work. The refusal names the fix.
+REFUSED = {(sel, "quant") for sel in ("h2o", "tova", "sliding_window", "block_evict", "knorm")}
+REFUSED |= {("snapkv", "quant")}  # its TEST_PARAMS set slack: re-compression at decode steps
+
+
+def cell_policy(sel: str, var: str):
+    return dataclasses.replace(small(sel), storage=make_storage(dict(STORAGE_VARIANTS[var])))
+
+
+def build_or_refused(sel, var, model):
+    """The cache of a cell, or None when refused (with the error checked to say who and why)."""
+    try:
+        return build_cache(cell_policy(sel, var), model)
+    except ValueError as err:
+        assert (sel, var) in REFUSED, f"{sel} x {var} refused unexpectedly: {err}"
+        assert "cannot work" in str(err) and "key_axis=token" in str(err)
+        return None
+
+
+def test_refused_cells_are_exactly_the_named_ones(capsys):
+    model = make_tiny("llama")
+    refused = {(s, v) for s, v in CELLS if build_or_refused(s, v, model) is None}
+    assert refused == REFUSED & set(CELLS)
+    with capsys.disabled():
+        print("\nrefused selector x storage cells:", sorted(refused))
+
+
+@pytest.mark.parametrize("sel,var", CELLS, ids=IDS)
+def test_cell_shapes_seq_length_and_bytes(sel, var, tiny_model, tokens):
+    cache = build_or_refused(sel, var, tiny_model)
+    if cache is None:
+        return
+    seen = []
+    for layer in cache.layers:
+        orig = layer.update
+
+        def spy(k, v, *a, _orig=orig, **kw):
+            out = _orig(k, v, *a, **kw)
+            seen.append((k, *out))
+            return out
+
+        layer.update = spy
+    stream_logits(tiny_model, tokens, cache, chunk=7)
+    for new, keys, values in seen:  # (B, H_kv, T, D) in the model's dtype
+        assert keys.dtype == values.dtype == new.dtype and keys.shape[:2] == new.shape[:2]
+        assert keys.shape[-2] >= new.shape[-2] and keys.shape == values.shape
+    assert cache.get_seq_length() == tokens.shape[1]
+    assert all(layer.get_seq_length() == tokens.shape[1] for layer in cache.layers)
+    held = [t for layer in cache.layers for t in held_tensors(layer)]
+    assert cache.memory_bytes() == storage_bytes(held) > 0  # every byte held is counted
+    full = build_cache("full", tiny_model)
+    stream_logits(tiny_model, tokens, full, chunk=7)
+    fixed = storage_bytes(t for layer in cache.layers for t in layer.store.fixed_tensors())
+    assert cache.memory_bytes() - fixed <= full.memory_bytes() * max_memory_ratio(cell_policy(sel, var))
+
+
+@pytest.mark.parametrize("sel,var", CELLS, ids=IDS)
+def test_cell_at_covering_budget_is_full_for_one_or_chunked_prefill(sel, var, tokens):
+    model = make_tiny("llama")
+    if build_or_refused(sel, var, model) is None:
+        return
+    ref = stream_logits(model, tokens, DynamicCache(config=model.config), chunk=48)
+    policy = cell_policy(sel, var).covering(tokens.shape[1])
+    for chunk in (48, 9, 1):  # one prefill, chunked prefill, token by token
+        got = stream_logits(model, tokens, build_cache(policy, model), chunk=chunk)
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def _generate(model, ids, mask, policy):
+    cache = build_cache(policy, model)
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=6, do_sample=False, pad_token_id=0
+    )
+    return out[:, ids.shape[1] :]
+
+
+@pytest.mark.parametrize("sel,var", CELLS, ids=IDS)
+def test_cell_left_padded_batch_matches_rows_alone(sel, var):
+    model = make_tiny("llama")
+    if build_or_refused(sel, var, model) is None:
+        return
+    policy = cell_policy(sel, var)
+    g = torch.Generator().manual_seed(3)
+    long, short = torch.randint(2, 95, (1, 30), generator=g), torch.randint(2, 95, (1, 22), generator=g)
+    ids = torch.cat([long, torch.cat([torch.zeros(1, 8, dtype=torch.long), short], 1)])
+    mask = torch.ones_like(ids)
+    mask[1, :8] = 0
+    try:
+        batched = _generate(model, ids, mask, policy)
+    except ValueError as err:  # a pair that cannot compress rows independently must say so clearly
+        assert "padding" in str(err)
+        return
+    assert torch.equal(batched[0], _generate(model, long, None, policy)[0])
+    assert torch.equal(batched[1], _generate(model, short, None, policy)[0])
