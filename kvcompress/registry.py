@@ -36,7 +36,8 @@ def load(group: str, name: str) -> dict:
     """The YAML of ``group/name`` as a plain dict; a clear error listing the known names otherwise."""
     files = _files(group)
     if name not in files:
-        raise ValueError(f"{group}={name!r} is unknown; known {group} names: {sorted(files)}")
+        plural = {"policy": "policies", "storage": "storages"}.get(group, group)
+        raise ValueError(f"{group}={name!r} is unknown; known {plural}: {sorted(files)}")
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(OmegaConf.load(files[name]), resolve=True)

@@ -22,7 +22,7 @@ def _capture(model, chunks, attention_mask=None, window=None):
     seen = {i: [] for i in range(len(cache.layers))}
     for layer in cache.layers:
 
-        def observe(query, key, scaling, _layer=layer):
+        def observe(query, key, scaling, probs=None, _layer=layer):
             w = query.shape[2] if window is None else window
             seen[_layer.layer_idx].append(window_scores(query[:, :, -w:], key, scaling, _layer.valid))
 

@@ -77,9 +77,9 @@ BAD = [
         r"block_evict.budget=96 is below 128 = \(sink blocks 1 \+ recent blocks 2 \+ 1\) x block_size=32",
     ),
     (
-        "block_evict budget and keep_ratio",
-        lambda m, p: make_policy("block_evict", budget=512),
-        "block_evict: set exactly one of budget .* got budget=512, keep_ratio=0.5",
+        "block_evict budget and compression_ratio",
+        lambda m, p: make_policy("block_evict", budget=512, compression_ratio=0.5),
+        "block_evict: set exactly one of budget .* got budget=512, compression_ratio=0.5",
     ),
     (
         "block_evict keep_ratio 0",

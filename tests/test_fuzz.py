@@ -1,4 +1,6 @@
-"""Property-based fuzzing of every policy: random shapes, lengths, padding, chunk sizes and parameters.
+"""Property-based fuzzing of every policy over every storage: random shapes, lengths, padding, chunk sizes
+and parameters. Each class declares its parameter ranges next to its code (``FUZZ``); nothing is listed
+here, so a new selector or storage is fuzzed by itself.
 
 CI runs a bounded number of examples; ``HYPOTHESIS_PROFILE=long`` runs many more locally.
 """
@@ -9,83 +11,66 @@ import os
 
 import pytest
 import torch
-from conftest import MAX_MEMORY_RATIO, POLICY_NAMES, SMALL, make_tiny
+from conftest import POLICY_NAMES, STORAGE_NAMES, make_tiny, max_memory_ratio, small
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcompress import build_cache, make_policy
-from kvcompress.policies.base import storage_bytes
+from kvcompress.policies import SchedulePolicy
+from kvcompress.registry import make_storage
+from kvcompress.storage.buffers import storage_bytes
 
 settings.register_profile("ci", max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 settings.register_profile("long", max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-# Per-policy parameter strategies; a policy without one is fuzzed with its SMALL overrides.
-_budget = st.one_of(
-    st.fixed_dictionaries({"budget": st.integers(1, 40), "compression_ratio": st.none()}),
-    st.fixed_dictionaries({"budget": st.none(), "compression_ratio": st.floats(0.0, 0.95)}),
-)
-
-
-def _with_budget(**extra):
-    return st.tuples(_budget, st.fixed_dictionaries(extra)).map(lambda t: {**t[0], **t[1]})
-
-
-PARAMS = {
-    "sliding_window": st.fixed_dictionaries({"sink_tokens": st.integers(0, 6), "window": st.integers(1, 24)}),
-    "quant": st.fixed_dictionaries(
-        {
-            "bits": st.sampled_from([2, 4, 8]),
-            "group_size": st.sampled_from([2, 4, 8, 16]),
-            "residual_length": st.integers(0, 20),
-            "key_axis": st.sampled_from(["channel", "token"]),
-            "value_axis": st.sampled_from(["channel", "token"]),
-        }
-    ),
-    "h2o": _with_budget(recent=st.one_of(st.none(), st.integers(0, 10)), window=st.integers(1, 8)),
-    "tova": _with_budget(),
-    # slack=None: with slack SnapKV also holds its last `window` queries (counted in memory_bytes), which
-    # on sequences shorter than about budget + 1.5 x window is more than the full cache holds.
-    "snapkv": _with_budget(window=st.integers(1, 8), kernel_size=st.sampled_from([1, 3, 5]), slack=st.none()),
-    "pyramidkv": _with_budget(beta=st.integers(1, 30)),
-    "block_sparse": st.fixed_dictionaries(
-        {"block_size": st.integers(1, 8), "top_k_blocks": st.integers(1, 6)}
-    ),
-    "block_evict": st.fixed_dictionaries(
-        {
-            "block_size": st.integers(1, 8),
-            "sink_tokens": st.integers(0, 6),
-            "recent": st.integers(0, 10),
-            "window": st.integers(1, 8),
-        }
-    ).flatmap(
-        lambda p: st.one_of(
-            st.fixed_dictionaries({"budget": st.integers(1, 60), "keep_ratio": st.none()}),
-            st.fixed_dictionaries({"budget": st.none(), "keep_ratio": st.floats(0.05, 1.0)}),
-        ).map(lambda b: {**p, **b})
-    ),
-    "low_rank": st.fixed_dictionaries(
-        {
-            "rank": st.integers(1, 16),
-            "residual_length": st.integers(0, 12),
-            "calibration_text": st.just("random"),
-            "calibration_tokens": st.just(64),
-        }
-    ),
-}
-
 MODEL = make_tiny("llama")
 
 
-def FIXED_STATE(layer):  # noqa: N802 - tensors whose size does not depend on the sequence
-    return [getattr(layer, n) for n in ("key_basis", "value_basis") if getattr(layer, n, None) is not None]
+def strategy(spec):
+    """A hypothesis strategy from a declared ``FUZZ``: a dict of fields, or a list of alternative dicts;
+    a field is an ``(lo, hi)`` int range, a list of choices, or a fixed value."""
+    if isinstance(spec, list):
+        return st.one_of(*[strategy(alt) for alt in spec])
+    fields = {}
+    for key, value in spec.items():
+        if isinstance(value, tuple):
+            fields[key] = st.integers(*value)
+        elif isinstance(value, list):
+            fields[key] = st.sampled_from(value)
+        else:
+            fields[key] = st.just(value)
+    return st.fixed_dictionaries(fields)
 
 
-COMPRESSING = {"full": False, "block_sparse": False}  # Quest reads less but stores everything
+def _storage():
+    """Any storage with fuzzed fields (dense included)."""
+    return st.one_of(
+        *[strategy(type(make_storage(n)).FUZZ).map(lambda p, n=n: {"name": n, **p}) for n in STORAGE_NAMES]
+    )
 
 
-def _params(name):
-    return PARAMS.get(name, st.just(SMALL.get(name, {})))
+def _policy(name):
+    """The policy to fuzz: schedules as their small test version, others from their FUZZ, over any storage."""
+    policy = make_policy(name)
+    if isinstance(policy, SchedulePolicy) or not type(policy).FUZZ:
+        return st.just(small(name))
+    if policy.selector != name:  # a storage preset (quant, low_rank): its own fields are the storage
+        return strategy(type(policy).FUZZ).map(lambda p: make_policy(name, **p))
+    return st.tuples(strategy(type(policy).FUZZ), _storage()).map(
+        lambda t: make_policy(name, **t[0], storage=t[1])
+    )
+
+
+def compresses(policy) -> bool:
+    """Whether the policy must store less than ``full``: it evicts, or it keeps every token in a compressed
+    storage with no per-page metadata of its own (Quest keeps every token plus page summaries, which at a
+    fuzzed block_size of 1 are as large as the keys themselves)."""
+    if policy.evicts != "never":
+        return True
+    storage = getattr(policy, "storage", None)
+    no_metadata = type(policy).MAX_MEMORY_RATIO <= 1.05
+    return storage is None or (storage.name != "dense" and no_metadata)
 
 
 @st.composite
@@ -93,8 +78,12 @@ def cases(draw, name):
     batch = draw(st.integers(1, 2))
     length = draw(st.integers(2, 56))
     pads = [0] + [draw(st.integers(0, length - 1)) for _ in range(batch - 1)]
+    try:
+        policy = draw(_policy(name))
+    except ValueError:
+        policy = None  # invalid parameter combinations must fail at construction, clearly
     return {
-        "params": draw(_params(name)),
+        "policy": policy,
         "chunk": draw(st.integers(1, 17)),
         "ids": torch.randint(
             2, 95, (batch, length), generator=torch.Generator().manual_seed(draw(st.integers(0, 99)))
@@ -116,22 +105,27 @@ def _stream(cache, ids, mask, chunk):
 def test_fuzz_policy(name):
     @given(case=cases(name))
     def check(case):
-        ids, chunk = case["ids"], case["chunk"]
+        ids, chunk, policy = case["ids"], case["chunk"], case["policy"]
         mask = torch.ones_like(ids)
         for row, pad in enumerate(case["pads"]):
             mask[row, :pad] = 0
+        if policy is None:
+            return
         try:
-            policy = make_policy(name, **case["params"])
             cache = build_cache(policy, MODEL)
         except ValueError:
-            return  # invalid parameter combinations must fail at construction, clearly
+            return  # invalid against the model (group size vs head_dim), or a refused selector/storage pair
         full = build_cache("full", MODEL)
-        _stream(cache, ids, mask, chunk)
+        try:
+            _stream(cache, ids, mask, chunk)
+        except ValueError as err:  # rows that cannot be compressed independently are refused by name
+            assert "padding" in str(err) and ids.shape[0] > 1
+            return
         _stream(full, ids, mask, chunk)
         assert cache.get_seq_length() == ids.shape[1]
         assert all(s["tokens_seen"] == ids.shape[1] for s in cache.stats())
-        if COMPRESSING.get(name, True):  # fixed per-layer state (low_rank's bases) is not per-token growth
-            fixed = storage_bytes(t for layer in cache.layers for t in FIXED_STATE(layer))
-            assert cache.memory_bytes() - fixed <= full.memory_bytes() * MAX_MEMORY_RATIO.get(name, 1.05)
+        if compresses(policy):  # fixed per-layer state (low-rank bases) is not per-token growth
+            fixed = storage_bytes(t for layer in cache.layers for t in layer.store.fixed_tensors())
+            assert cache.memory_bytes() - fixed <= full.memory_bytes() * max_memory_ratio(policy)
 
     check()

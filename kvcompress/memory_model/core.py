@@ -10,16 +10,23 @@ DTYPE_BYTES = (1, 2, 4, 8)
 
 def layer_bytes(policy: Policy, s: Shape, layer_idx: int) -> int | None:
     """One layer's bytes: the storage of the tokens the selector keeps, plus the selector's own state."""
+    storage = policy.storage
+    if not (declares_formula(type(policy)) and declares_formula(type(storage))):
+        return None  # a subclass may change what is kept or stored: its own class must say so
     kept = policy.kept_tokens(s)
     if kept is None:
         return None
-    storage = policy.storage
     if policy.evicts == "always" and not storage.count_exact:
         return None  # which tokens sit in the full-precision window depends on the scores
     stored = storage.bytes_for(s, kept)
     if stored is None:
         return None
     return stored + storage.fixed_bytes(s, layer_idx) + policy.state_bytes(s, kept)
+
+
+def declares_formula(cls) -> bool:
+    """Whether ``cls`` itself (not only a parent) declares ``FORMULA = True``: its formulas are its own."""
+    return bool(cls.__dict__.get("FORMULA", False))
 
 
 def predicted_bytes(

@@ -36,6 +36,7 @@ class Policy:
     TEST_PARAMS: ClassVar[dict] = {}
     FUZZ: ClassVar[dict | list] = {}
     MAX_MEMORY_RATIO: ClassVar[float] = 1.05
+    FORMULA: ClassVar[bool] = False  # True in a class whose kept_tokens/state_bytes describe it exactly
 
     storage: object = field(default=None, kw_only=True)
 

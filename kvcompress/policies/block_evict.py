@@ -46,6 +46,7 @@ class BlockEvictPolicy(Policy):
     """
 
     layer_class = BlockEvictLayer
+    FORMULA = True  # the memory formulas below are this class's own
     evicts = "always"
     TEST_PARAMS = {"block_size": 4, "budget": 16, "compression_ratio": None, "sink_tokens": 2, "recent": 4,
                    "observation_window": 4}  # fmt: skip

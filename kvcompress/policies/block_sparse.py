@@ -33,6 +33,7 @@ class BlockSparsePolicy(Policy):
     """
 
     layer_class = BlockSparseLayer
+    FORMULA = True  # the memory formulas below are this class's own
     MAX_MEMORY_RATIO = 1.3  # page key min/max: 1/block_size of K+V
     TEST_PARAMS = {"block_size": 4, "top_k_blocks": 3}
     FUZZ = {"block_size": (1, 8), "top_k_blocks": (1, 6)}

@@ -45,7 +45,7 @@ def check_one_budget(policy) -> None:
 @dataclass
 class EvictionPolicy(Policy):
     """Base of eviction policies: one of ``budget`` (tokens kept per layer and head) or
-    ``compression_ratio`` (fraction of the tokens seen that is removed, in [0, 1); 0.5 when neither is set)."""
+    ``compression_ratio`` (fraction of the tokens seen that is removed, in [0, 1); 0.5 if neither is set)."""
 
     evicts = "always"
     FUZZ = BUDGET_FUZZ

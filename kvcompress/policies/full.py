@@ -13,6 +13,8 @@ from kvcompress.policies.base import Policy, Shape
 class FullPolicy(Policy):
     """Keep every token (in the model's dtype with the default dense storage: what ``DynamicCache`` does)."""
 
+    FORMULA = True  # the memory formulas below are this class's own
+
     def kept_tokens(self, s: Shape) -> int:
         return s.total
 

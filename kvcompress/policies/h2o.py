@@ -60,6 +60,7 @@ class H2OPolicy(EvictionPolicy):
     """
 
     layer_class = H2OLayer
+    FORMULA = True  # the memory formulas below are this class's own
     MAX_MEMORY_RATIO = 1.07  # float32 score + int32 position per token and head: 6.25% of K+V at D=16
     TEST_PARAMS = {"budget": 12, "compression_ratio": None, "recent": 4, "observation_window": 6}
     FUZZ = [{**alt, "recent": [None, 0, 3, 10], "observation_window": (1, 8)} for alt in EvictionPolicy.FUZZ]

@@ -27,7 +27,9 @@ class PolicyLayer(CacheLayerMixin):
     per_row: tuple[str, ...] = ()  # (B, ...) tensors
 
     def __init__(self, policy, layer_idx: int, spec, store):
-        super().__init__()
+        self.is_initialized = (
+            False  # CacheLayerMixin.__init__ would assign keys/values, which live in the store
+        )
         self.policy, self.layer_idx, self.spec, self.store = policy, layer_idx, spec, store
         self.valid: torch.Tensor | None = None  # (B, 1 or H_kv, T) bool; None = no padding stored
         self.seen = self.evicted = 0
@@ -99,6 +101,16 @@ class PolicyLayer(CacheLayerMixin):
 
     def stored_length(self) -> int:
         return self.store.length
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The store's full-precision keys (B, H_kv, T, D): all of them for dense storage, the residual
+        window for quant and low_rank."""
+        return self.store.keys
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self.store.values
 
     def keep(self, idx: torch.Tensor, is_sorted: bool = False) -> torch.Tensor:
         """Keep only the tokens ``idx`` (B, 1 or H_kv, k); the storage frees the others.

@@ -17,9 +17,11 @@ class LowRankPolicy(StoragePreset):
     """Every token, older ones as rank-``rank`` coefficients (fields as ``LowRankStorage``)."""
 
     storage_class = LowRankStorage
+    FORMULA = True  # the memory formulas below are this class's own
     TEST_PARAMS = {"rank": 4, "residual_length": 4, "calibration_text": "random", "calibration_tokens": 64}
+    FUZZ = LowRankStorage.FUZZ
 
-    rank: int | None = Int(32, low=1, null=True)
+    rank: int | None = Int(None, low=1, null=True)  # null with energy null: 32
     value_rank: int | None = Int(None, low=1, null=True)
     energy: float | None = Float(None, 0, 1, low_open=True, null=True)
     residual_length: int = Int(0, low=0)

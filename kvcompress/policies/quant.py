@@ -18,7 +18,9 @@ class QuantPolicy(StoragePreset):
     """Every token, stored as packed ``bits``-bit codes (fields as ``QuantStorage``)."""
 
     storage_class = QuantStorage
+    FORMULA = True  # the memory formulas below are this class's own
     TEST_PARAMS = {"group_size": 4, "residual_length": 8}
+    FUZZ = QuantStorage.FUZZ
 
     bits: int = Choice(4, BITS)
     group_size: int = Int(32, low=1)

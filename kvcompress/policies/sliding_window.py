@@ -43,6 +43,7 @@ class SlidingWindowPolicy(Policy):
     """Keep the first ``sink_tokens`` real tokens and the last ``window`` tokens; evict the rest."""
 
     layer_class = SlidingWindowLayer
+    FORMULA = True  # the memory formulas below are this class's own
     evicts = "always"
     TEST_PARAMS = {"sink_tokens": 2, "window": 12}
     FUZZ = {"sink_tokens": (0, 6), "window": (1, 24)}

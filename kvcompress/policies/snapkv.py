@@ -14,7 +14,7 @@ from kvcompress.fields import Choice, Int, renamed
 from kvcompress.policies.base import Shape
 from kvcompress.policies.eviction import EvictionLayer, EvictionPolicy
 
-POOLINGS = ("avg", "max")
+POOLINGS = ("max", "avg")
 
 
 def pool_scores(scores: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
@@ -60,6 +60,7 @@ class SnapKVPolicy(EvictionPolicy):
     """
 
     layer_class = SnapKVLayer
+    FORMULA = True  # the memory formulas below are this class's own
     TEST_PARAMS = {
         "budget": 12, "compression_ratio": None, "observation_window": 4, "kernel_size": 3, "slack": 3,
     }  # fmt: skip

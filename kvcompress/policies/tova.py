@@ -31,4 +31,5 @@ class TOVAPolicy(EvictionPolicy):
     keeps the same tokens, as in the authors' cache). Nothing is protected, not even the newest token."""
 
     layer_class = TOVALayer
+    FORMULA = True  # the memory formulas below are this class's own
     TEST_PARAMS = {"budget": 12, "compression_ratio": None}

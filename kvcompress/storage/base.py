@@ -29,6 +29,7 @@ class Storage:
     store_class: ClassVar[type] = None
     TEST_PARAMS: ClassVar[list[dict]] = [{}]
     FUZZ: ClassVar[dict] = {}
+    FORMULA: ClassVar[bool] = False  # True in a class whose bytes_for describes it exactly
 
     def __post_init__(self):
         validate(self, self.name)

@@ -73,3 +73,5 @@ class DenseStorage(Storage):
 
     name = "dense"
     store_class = DenseStore
+    FORMULA = True  # bytes_for below is this class's own
+    FUZZ = {}

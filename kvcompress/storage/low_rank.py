@@ -98,6 +98,7 @@ class LowRankStorage(Storage):
     """
 
     name = "low_rank"
+    FORMULA = True  # bytes_for below is this class's own
     TEST_PARAMS = [{"rank": 4, "residual_length": 4, "calibration_text": "random", "calibration_tokens": 64}]
     FUZZ = {
         "rank": (1, 16),
@@ -106,7 +107,7 @@ class LowRankStorage(Storage):
         "calibration_tokens": 64,
     }
 
-    rank: int | None = Int(32, low=1, null=True)
+    rank: int | None = Int(None, low=1, null=True)  # null with energy null: 32
     value_rank: int | None = Int(None, low=1, null=True)
     energy: float | None = Float(None, 0, 1, low_open=True, null=True)
     residual_length: int = Int(0, low=0)
@@ -121,7 +122,7 @@ class LowRankStorage(Storage):
                 f"low_rank: set exactly one of rank={self.rank} and energy={self.energy} (the other null)"
             )
         if self.rank is None and self.energy is None:
-            raise ValueError("low_rank: set rank (e.g. 32) or energy (e.g. 0.95)")
+            self.rank = 32
         super().__post_init__()
         if self.value_rank is not None and self.rank is None:
             raise ValueError(f"low_rank.value_rank={self.value_rank} needs rank (not energy)")

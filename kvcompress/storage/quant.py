@@ -115,6 +115,7 @@ class QuantStorage(Storage):
 
     name = "quant"
     store_class = QuantStore
+    FORMULA = True  # bytes_for below is this class's own
     TEST_PARAMS = [
         {"bits": 4, "group_size": 4, "residual_length": 8},
         {"bits": 2, "group_size": 4, "residual_length": 4, "key_axis": "token"},

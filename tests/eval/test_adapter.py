@@ -40,12 +40,13 @@ def test_full_policy_matches_stock_hf_and_eviction_changes_it(fake_cache, tiny_c
         assert full["results"]["kvc_essays_ppl"][metric] == pytest.approx(stock[metric], rel=1e-3)
         assert window["results"]["kvc_essays_ppl"][metric] != pytest.approx(stock[metric], rel=1e-3)
     info = full["config"]["kvcompress"]
-    assert info["policy"] == {"name": "full"} and info["chunk_size"] == 16
+    assert info["policy"] == {"name": "full", "storage": {"name": "dense"}} and info["chunk_size"] == 16
     assert info["forward_calls"] == info["requests"] * math.ceil(96 / 16)  # every window: 96 tokens, 6 chunks
     assert window["config"]["kvcompress"]["policy"] == {
         "name": "sliding_window",
         "sink_tokens": 2,
         "window": 8,
+        "storage": {"name": "dense"},
     }
 
 

@@ -28,6 +28,7 @@ class KnormPolicy(EvictionPolicy):
     """Keep the ``budget`` (or ``1 - compression_ratio``) lowest-norm keys, plus the ``recent`` newest."""
 
     layer_class = KnormLayer
+    FORMULA = True  # the memory formulas below are this class's own
     TEST_PARAMS = {"budget": 12, "compression_ratio": None}
     FUZZ = [{**alt, "recent": (0, 4)} for alt in EvictionPolicy.FUZZ]
 

@@ -88,7 +88,6 @@ def test_padding_is_never_kept_over_real_tokens(llama):
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({}, "exactly one of budget"),
         ({"budget": 8, "compression_ratio": 0.5}, "exactly one of budget"),
         ({"budget": 0}, "h2o.budget=0"),
         ({"budget": 2.5}, "h2o.budget=2.5"),

@@ -45,17 +45,19 @@ def _keys_seen(cache, model, tokens, chunk=5):
 def test_stores_coefficients_and_exact_residual(llama, tokens, tmp_path):
     cache = build_cache(policy(tmp_path, rank=3, value_rank=5, residual_length=6), llama)
     layer, keys, values = _keys_seen(cache, llama, tokens)  # (1, H_kv, 48, D)
-    assert layer.key_coef.shape == (1, 2, 42, 3) and layer.value_coef.shape == (1, 2, 42, 5)
+    assert layer.store.key_coef.shape == (1, 2, 42, 3) and layer.store.value_coef.shape == (1, 2, 42, 5)
     assert layer.keys.shape == (1, 2, 6, HEAD_DIM)
     torch.testing.assert_close(layer.keys, keys[:, :, -6:])  # newest tokens exact
-    torch.testing.assert_close(layer.key_coef, keys[:, :, :42] @ layer.key_basis)
-    torch.testing.assert_close(layer.value_coef, values[:, :, :42] @ layer.value_basis)
+    torch.testing.assert_close(layer.store.key_coef, keys[:, :, :42] @ layer.store.key_basis)
+    torch.testing.assert_close(layer.store.value_coef, values[:, :, :42] @ layer.store.value_basis)
     eye = torch.eye(3).expand(2, 3, 3)
-    torch.testing.assert_close(layer.key_basis.mT @ layer.key_basis, eye, atol=1e-5, rtol=0)  # orthonormal
+    torch.testing.assert_close(
+        layer.store.key_basis.mT @ layer.store.key_basis, eye, atol=1e-5, rtol=0
+    )  # orthonormal
     # bytes: coefficients + exact residual + the layer's two bases (H_kv, D, r), float32
     expected = 4 * (2 * 42 * (3 + 5) + 2 * 2 * 6 * HEAD_DIM + 2 * HEAD_DIM * (3 + 5))
     assert layer.memory_bytes() == expected
-    assert layer.key_coef.untyped_storage().nbytes() == layer.key_coef.numel() * 4
+    assert layer.store.key_coef.untyped_storage().nbytes() == layer.store.key_coef.numel() * 4
 
 
 def test_reconstruction_error_falls_with_rank(llama, tokens, tmp_path):
@@ -63,7 +65,7 @@ def test_reconstruction_error_falls_with_rank(llama, tokens, tmp_path):
     for rank in (2, 4, 8, 12, 16):
         cache = build_cache(policy(tmp_path, rank=rank), llama)
         layer, keys, _ = _keys_seen(cache, llama, tokens)
-        recon = layer.key_coef @ layer.key_basis.mT
+        recon = layer.store.key_coef @ layer.store.key_basis.mT
         errors.append(float((recon - keys).norm() / keys.norm()))
     assert all(a > b for a, b in zip(errors, errors[1:], strict=False)) and errors[-1] < 1e-5
 
@@ -137,10 +139,13 @@ def test_model_dependent_checks(llama, tmp_path):
 def test_int8_coefficients_store_codes_and_scales(llama, tokens, tmp_path):
     cache = build_cache(policy(tmp_path, rank=4, int8_coefficients=True), llama)
     layer, keys, _ = _keys_seen(cache, llama, tokens)
-    assert layer.key_coef.dtype == layer.value_coef.dtype == torch.int8
-    assert layer.key_scale.shape == (1, 2, 48, 1)
-    exact = keys @ layer.key_basis  # (1, H_kv, 48, 4)
-    assert ((layer.key_coef.float() * layer.key_scale - exact).abs() <= layer.key_scale / 2 + 1e-6).all()
-    assert (layer.key_coef.abs().amax(-1) == 127).all()  # absmax scaling uses the whole int8 range
+    assert layer.store.key_coef.dtype == layer.store.value_coef.dtype == torch.int8
+    assert layer.store.key_scale.shape == (1, 2, 48, 1)
+    exact = keys @ layer.store.key_basis  # (1, H_kv, 48, 4)
+    assert (
+        (layer.store.key_coef.float() * layer.store.key_scale - exact).abs()
+        <= layer.store.key_scale / 2 + 1e-6
+    ).all()
+    assert (layer.store.key_coef.abs().amax(-1) == 127).all()  # absmax scaling uses the whole int8 range
     # int8 codes + one float32 scale per token and head (keys and values) + the two float32 bases
     assert layer.memory_bytes() == 2 * (2 * 48 * 4) + 2 * (2 * 48 * 4) + 2 * (2 * HEAD_DIM * 4 * 4)

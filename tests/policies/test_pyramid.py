@@ -31,7 +31,7 @@ def test_pyramid_builds_a_schedule_of_the_inner_policy():
     budgets = policy.budgets(30)
     assert sum(budgets) == 256 * 30 and budgets[0] > budgets[-1]
     layers = policy.schedule(30).assignment(30)
-    assert all(isinstance(p, SnapKVPolicy) and p.window == 32 for p in layers)
+    assert all(isinstance(p, SnapKVPolicy) and p.observation_window == 32 for p in layers)
 
 
 def test_unequal_layers_stay_correct_in_chunked_prefill(llama, tokens):
@@ -51,7 +51,7 @@ def test_unequal_layers_stay_correct_in_chunked_prefill(llama, tokens):
 
 def test_pyramid_rejects_bad_fields():
     with pytest.raises(ValueError, match="exactly one of budget"):
-        PyramidKVPolicy()
+        PyramidKVPolicy(budget=8, compression_ratio=0.5)
     with pytest.raises(ValueError, match="pyramidkv.beta=0.5"):
         PyramidKVPolicy(budget=8, beta=0.5)
     with pytest.raises(ValueError, match="must be an eviction policy"):

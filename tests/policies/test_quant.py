@@ -35,12 +35,12 @@ def test_residual_boundary_and_group_alignment_are_exact(llama, tokens, residual
     for t in range(1, tokens.shape[1] + 1):
         stream_logits(llama, tokens[:, t - 1 : t], cache, chunk=1)
         expected = max(0, (t - residual) // group * group)
-        assert (layer.quantized_length(), layer.stored_length()) == (expected, t)
+        assert (layer.store.encoded_length, layer.stored_length()) == (expected, t)
     keys = torch.cat(received, dim=-2)  # (1, H_kv, 48, D), as the model produced them
-    tq = layer.quantized_length()
+    tq = layer.store.encoded_length
     # groups are aligned to token 0: quantizing all quantized tokens at once gives the same codes
     ref = Q.quantize(keys[:, :, :tq], 4, group, "channel", torch.float16)
-    assert all(torch.equal(a, b) for a, b in zip(layer.qkeys, ref, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(layer.store.qkeys, ref, strict=True))
     # the newest tokens are returned untouched; quantized ones only approximately
     last = returned[-1]
     assert torch.equal(last[:, :, tq:], keys[:, :, tq:]) and last.shape[-2] - tq >= residual
@@ -63,14 +63,14 @@ def test_bits_per_element_and_every_byte_counted(bits, group, expected):
         assert s["residual_tokens"] == 150 - s["quantized_tokens"]
         assert s["bytes"] == s["code_bytes"] + s["scale_zero_bytes"] + s["residual_bytes"]
         assert s["code_bytes"] == 2 * 2 * s["quantized_tokens"] * 64 * bits // 8  # K and V, 2 KV heads
-        assert layer.qkeys.codes.dtype == torch.uint8 and layer.qkeys.scale.dtype == torch.float16
+        assert layer.store.qkeys.codes.dtype == torch.uint8 and layer.store.qkeys.scale.dtype == torch.float16
 
 
 def test_no_float_copy_of_quantized_tokens_is_held(llama, tokens):
     cache = build_cache("quant", llama, bits=2, group_size=4, residual_length=6)
     stream_logits(llama, tokens, cache, chunk=1)
     for layer in cache.layers:
-        residual = layer.stored_length() - layer.quantized_length()
+        residual = layer.stored_length() - layer.store.encoded_length
         floats = [t for t in held_tensors(layer) if t.dtype == torch.float32]
         assert floats and all(t.shape[-2] == residual for t in floats)  # only the residual window
         assert layer.keys.untyped_storage().nbytes() == layer.keys.numel() * 4  # flushed storage freed
@@ -83,7 +83,7 @@ def test_half_precision_models_stay_finite(dtype, tokens):
     logits = stream_logits(model, tokens, cache, chunk=3)
     assert torch.isfinite(logits).all()
     layer = cache.layers[1]
-    assert layer.qkeys.scale.dtype == dtype and layer.keys.dtype == dtype
+    assert layer.store.qkeys.scale.dtype == dtype and layer.keys.dtype == dtype
 
 
 def test_beam_reorder_moves_every_part(llama):
@@ -91,9 +91,9 @@ def test_beam_reorder_moves_every_part(llama):
     cache = build_cache("quant", llama, bits=4, group_size=4, residual_length=3)
     stream_logits(llama, ids, cache, chunk=20)
     layer = cache.layers[0]
-    before = [t.clone() for t in (*layer.qkeys, *layer.qvalues, layer.keys, layer.values)]
+    before = [t.clone() for t in (*layer.store.qkeys, *layer.store.qvalues, layer.keys, layer.values)]
     cache.reorder_cache(torch.tensor([1, 1]))
-    after = (*layer.qkeys, *layer.qvalues, layer.keys, layer.values)
+    after = (*layer.store.qkeys, *layer.store.qvalues, layer.keys, layer.values)
     assert all(torch.equal(a, b[[1, 1]]) for a, b in zip(after, before, strict=True))
 
 
@@ -119,7 +119,8 @@ def test_mixed_precision_schedule_assigns_full_int8_int4():
     layers = make_policy("mixed_precision").assignment(30)
     kinds = [p.bits if isinstance(p, QuantPolicy) else "full" for p in layers]
     assert kinds == ["full"] * 2 + [8] * 18 + [4] * 10
-    assert not isinstance(layers[2], FullPolicy) and layers[29].group_size == 32
+    assert type(layers[2]) is not FullPolicy and layers[2].storage.name == "quant"
+    assert layers[29].group_size == 32
 
 
 def test_mixed_precision_cache_stores_each_layer_at_its_precision(llama, tokens):

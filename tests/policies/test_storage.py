@@ -90,7 +90,7 @@ def test_long_decode_equals_dynamic_cache():
 def test_in_place_storage_does_not_change_eviction(policy, monkeypatch):
     """Evicting policies give the same logits with generous headroom (in-place appends after every
     eviction) as with none (a fresh buffer every step)."""
-    from kvcompress.policies import storage
+    from kvcompress.storage import buffers as storage
 
     model = make_tiny("llama")
     ids = torch.randint(2, 90, (1, 120), generator=torch.Generator().manual_seed(1))
