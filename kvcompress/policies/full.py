@@ -36,6 +36,8 @@ class StoragePreset(FullPolicy):
         own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "storage"}
         self.storage = self.storage_class(**own)
         self.storage._preset = True
+        for name in own:  # the storage may fill in defaults (low_rank: rank 32 when energy is unset)
+            setattr(self, name, getattr(self.storage, name))
         super().__post_init__()
 
     @property

@@ -130,6 +130,10 @@ class PyramidKVPolicy(Policy):
         return self.schedule(spec.num_layers).layer(layer_idx, spec)
 
     def describe(self) -> dict:
-        inner = self.policy.describe() if isinstance(self.policy, Policy) else dict(self.policy)
+        inner = {
+            k: v
+            for k, v in self._inner(1, None).describe().items()
+            if k not in ("budget", "compression_ratio")
+        }
         fields = {"budget": self.budget, "compression_ratio": self.compression_ratio, "beta": self.beta}
         return {"name": self.name, "policy": inner, **fields, "storage": self.storage.describe()}

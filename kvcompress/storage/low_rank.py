@@ -117,13 +117,13 @@ class LowRankStorage(Storage):
     calibration_dir: str | None = None
 
     def __post_init__(self):
+        super().__post_init__()
         if self.rank is not None and self.energy is not None:
             raise ValueError(
                 f"low_rank: set exactly one of rank={self.rank} and energy={self.energy} (the other null)"
             )
         if self.rank is None and self.energy is None:
             self.rank = 32
-        super().__post_init__()
         if self.value_rank is not None and self.rank is None:
             raise ValueError(f"low_rank.value_rank={self.value_rank} needs rank (not energy)")
         self._calibration: dict | None = None

@@ -1,0 +1,68 @@
+"""Field declarations are the one validation layer: every declared constraint of every selector and storage
+refuses bad values with a message naming the field; dataclass defaults and YAML defaults agree; deprecated
+spellings still work and say what replaces them."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+from conftest import POLICY_NAMES, STORAGE_NAMES
+
+from kvcompress import make_policy
+from kvcompress.fields import bad_values
+from kvcompress.registry import import_target, load, make_storage
+
+CLASSES = {f"policy/{n}": load("policy", n)["_target_"] for n in POLICY_NAMES}
+CLASSES |= {f"storage/{n}": load("storage", n)["_target_"] for n in STORAGE_NAMES}
+BAD = [(where, field, value) for where, target in CLASSES.items() for field, value in bad_values(import_target(target))]
+
+
+def _build(where: str, **params):
+    group, name = where.split("/")
+    return make_policy(name, **params) if group == "policy" else make_storage({"name": name, **params})
+
+
+@pytest.mark.parametrize("where,field,value", BAD, ids=[f"{w}.{f}={v!r}" for w, f, v in BAD])
+def test_every_declared_field_refuses_bad_values_by_name(where, field, value):
+    with pytest.raises(ValueError, match=f"\\.{field}={value!r}".replace("(", r"\(").replace(")", r"\)")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            _build(where, **{field: value})
+
+
+def test_bad_values_cover_every_declared_field():
+    assert len(BAD) > 40  # bits, group sizes, budgets, ratios, windows, ranks...
+    fields = {(w, f) for w, f, _ in BAD}
+    assert ("storage/quant", "bits") in fields and ("policy/h2o", "observation_window") in fields
+
+
+@pytest.mark.parametrize("where", sorted(CLASSES))
+def test_dataclass_defaults_equal_the_yaml(where):
+    group, name = where.split("/")
+    cfg = load(group, name)
+    cls = import_target(cfg.pop("_target_"))
+    if group == "policy" and dataclasses.fields(cls) and "rules" in {f.name for f in dataclasses.fields(cls)}:
+        pytest.skip(f"{name} is a schedule: its YAML is the whole definition")
+    made = cls()
+    for field, value in cfg.items():
+        if field == "policy":  # PyramidKV's inner policy: a config dict in both places
+            continue
+        assert getattr(made, field) == (value if value is not None else getattr(made, field)), field
+    assert _build(where).describe() == made.describe()
+
+
+@pytest.mark.parametrize(
+    "name,old,new,expect",
+    [
+        ("h2o", {"window": 8}, "observation_window", 8),
+        ("snapkv", {"window": 8}, "observation_window", 8),
+        ("block_evict", {"window": 8}, "observation_window", 8),
+        ("block_evict", {"keep_ratio": 0.25}, "compression_ratio", 0.75),
+    ],
+)
+def test_old_spellings_work_with_a_warning_naming_the_new_one(name, old, new, expect):
+    with pytest.warns(DeprecationWarning, match=f"use {new} instead"):
+        policy = make_policy(name, **old)
+    assert getattr(policy, new) == expect and all(getattr(policy, k) is None for k in old)
