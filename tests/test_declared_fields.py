@@ -16,7 +16,7 @@ from kvcompress.registry import import_target, load, make_storage
 
 CLASSES = {f"policy/{n}": load("policy", n)["_target_"] for n in POLICY_NAMES}
 CLASSES |= {f"storage/{n}": load("storage", n)["_target_"] for n in STORAGE_NAMES}
-BAD = [(where, field, value) for where, target in CLASSES.items() for field, value in bad_values(import_target(target))]
+BAD = [(w, f, v) for w, target in CLASSES.items() for f, v in bad_values(import_target(target))]
 
 
 def _build(where: str, **params):
@@ -26,10 +26,10 @@ def _build(where: str, **params):
 
 @pytest.mark.parametrize("where,field,value", BAD, ids=[f"{w}.{f}={v!r}" for w, f, v in BAD])
 def test_every_declared_field_refuses_bad_values_by_name(where, field, value):
-    with pytest.raises(ValueError, match=f"\\.{field}={value!r}".replace("(", r"\(").replace(")", r"\)")):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            _build(where, **{field: value})
+    match = f"\\.{field}={value!r}".replace("(", r"\(").replace(")", r"\)")
+    with pytest.raises(ValueError, match=match), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        _build(where, **{field: value})
 
 
 def test_bad_values_cover_every_declared_field():
