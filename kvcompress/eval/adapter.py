@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from kvcompress.attention import set_backend
 from kvcompress.cache import CONF_DIR, build_cache, known_policies, make_policy
 from kvcompress.metrics.compression import flag_uncompressed, full_cache_bytes, is_compressed, tokens_evicted
-from kvcompress.models import DEFAULT_MODEL, default_model_dir, resolve_device
+from kvcompress.models import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_model_dir, resolve_device
 from kvcompress.policies.base import Policy
 
 
@@ -41,9 +41,9 @@ def split_policy_args(policy, kwargs: dict) -> tuple[Policy, dict]:
 
 
 def resolve_pretrained(pretrained: str, kwargs: dict) -> tuple[str, dict]:
-    """Map kvcompress model names onto what ``hf`` loads: the embedded default, a ``.gguf`` file."""
-    if pretrained == DEFAULT_MODEL:
-        return str(default_model_dir()), kwargs
+    """Map kvcompress model names onto what ``hf`` loads: an embedded model, a ``.gguf`` file."""
+    if pretrained in EMBEDDED_MODELS:
+        return str(embedded_model_dir(pretrained)), kwargs
     path = Path(pretrained).expanduser()
     if path.suffix == ".gguf":
         return str(path.parent), {**kwargs, "gguf_file": path.name}
