@@ -1,7 +1,8 @@
 """One experiment: validate, load, run the task, write ``results.json`` atomically, log, print a table.
 
-A run whose folder already holds an ``ok`` record of the same config is skipped (``resume=false`` reruns
-it), so a killed sweep started again with the same command only runs what is missing.
+A run whose folder already holds an ``ok`` record of the same config and code version is skipped
+(``resume=false`` reruns it, ``resume=any`` also reuses records of other code versions), so a killed sweep
+started again with the same command only runs what is missing.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from kvcompress.cache import make_policy
 from kvcompress.loggers import make_logger
 from kvcompress.models import load_model
 from kvcompress.report import flatten, markdown_table
-from kvcompress.results import RESULTS_FILE, environment, write_json_atomic
+from kvcompress.results import RESULTS_FILE, code_version, environment, write_json_atomic
 from kvcompress.sweep import completed_record
 
 
@@ -78,12 +79,12 @@ def run_experiment(cfg: DictConfig, out_dir: Path, raise_errors: bool = True) ->
     Args:
         raise_errors: re-raise a failure after recording it (single runs); sweeps go on to the next run.
     """
-    out_dir, config = Path(out_dir), OmegaConf.to_container(cfg, resolve=True)
-    done = completed_record(out_dir, config) if cfg.get("resume", True) else None
+    out_dir, config, version = Path(out_dir), OmegaConf.to_container(cfg, resolve=True), code_version()
+    done = completed_record(out_dir, config, cfg.get("resume", True), version)
     if done is not None:
         print(f"[kvcompress] skipped {out_dir}: results.json is ok for this config (resume=false reruns)")
         return done
-    record, error, start = {"status": "running", "config": config}, None, time.time()
+    record, error, start = {"status": "running", "config": config, "code_version": version}, None, time.time()
     write_json_atomic(out_dir / RESULTS_FILE, record)  # a killed run leaves status=running: redone on resume
     try:
         record["metrics"] = _execute(cfg, record, out_dir)

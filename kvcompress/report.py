@@ -19,6 +19,7 @@ DEFAULT_COLUMNS = [
     "chunk_size",
     "cache_bytes",
     "cache_ratio",
+    "compressed",
     "prefill_tok_s",
     "decode_tok_s",
     "question_in_prompt",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 
 RESULTS_FILE = "results.json"
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the repository root in a source checkout
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -35,15 +37,47 @@ def write_json_atomic(path: Path, data) -> None:
     write_text_atomic(path, json.dumps(data, indent=2, default=str))
 
 
-def git_commit() -> str | None:
+def _git(root: Path, *args: str) -> str | None:
+    """Output of ``git -C root args``, or None when git is missing, fails or times out."""
     try:
-        root = Path(__file__).resolve().parents[1]
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
-        )
-        return out.stdout.strip() or None
+        out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def _repo_root(root: Path) -> Path | None:
+    """``root`` when it is the top of a git work tree (not a folder inside some other repository)."""
+    top = _git(root, "rev-parse", "--show-toplevel")
+    return root if top and Path(top.strip()).resolve() == root.resolve() else None
+
+
+def git_commit(root: Path = PACKAGE_ROOT) -> str | None:
+    """The commit checked out in kvcompress's own repository, or None (no git, installed wheel)."""
+    if _repo_root(root) is None:
+        return None
+    return (_git(root, "rev-parse", "HEAD") or "").strip() or None
+
+
+def _dirty_hash(root: Path, package: str) -> str | None:
+    """Short hash of the uncommitted changes under ``package/`` (diff + untracked files), None if clean."""
+    diff = _git(root, "diff", "HEAD", "--", package) or ""
+    untracked = (_git(root, "ls-files", "--others", "--exclude-standard", "--", package) or "").split()
+    digest = hashlib.sha256(diff.encode())
+    for name in sorted(untracked):  # a new module changes behaviour as much as an edited one
+        digest.update(name.encode() + b"\0" + (root / name).read_bytes())
+    return digest.hexdigest()[:12] if diff or untracked else None
+
+
+def code_version(root: Path = PACKAGE_ROOT, package: str = "kvcompress") -> dict:
+    """The code that produced a record: ``{"commit", "dirty_hash"}``.
+
+    ``dirty_hash`` is a short hash of the uncommitted diff (and untracked files) of ``package/``, None
+    when that is clean. Both are None when git or the repository is missing (an installed wheel): such
+    a version is unknown, and ``resume=true`` reruns records of an unknown version.
+    """
+    commit = git_commit(root)
+    return {"commit": commit, "dirty_hash": _dirty_hash(root, package) if commit else None}
 
 
 def environment(model=None) -> dict:

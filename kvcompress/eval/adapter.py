@@ -22,7 +22,8 @@ from tqdm.auto import tqdm
 
 from kvcompress.attention import set_backend
 from kvcompress.cache import CONF_DIR, build_cache, known_policies, make_policy
-from kvcompress.models import DEFAULT_MODEL, default_model_dir, resolve_device
+from kvcompress.metrics.compression import flag_uncompressed, full_cache_bytes, is_compressed, tokens_evicted
+from kvcompress.models import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_model_dir, resolve_device
 from kvcompress.policies.base import Policy
 
 
@@ -40,13 +41,31 @@ def split_policy_args(policy, kwargs: dict) -> tuple[Policy, dict]:
 
 
 def resolve_pretrained(pretrained: str, kwargs: dict) -> tuple[str, dict]:
-    """Map kvcompress model names onto what ``hf`` loads: the embedded default, a ``.gguf`` file."""
-    if pretrained == DEFAULT_MODEL:
-        return str(default_model_dir()), kwargs
+    """Map kvcompress model names onto what ``hf`` loads: an embedded model, a ``.gguf`` file."""
+    if pretrained in EMBEDDED_MODELS:
+        return str(embedded_model_dir(pretrained)), kwargs
     path = Path(pretrained).expanduser()
     if path.suffix == ".gguf":
         return str(path.parent), {**kwargs, "gguf_file": path.name}
     return pretrained, kwargs
+
+
+KINDS = ("loglikelihood", "generate")
+
+
+def _hint(kind: str, chunk_size: int) -> str:
+    """What to set when requests of ``kind`` never compressed."""
+    if kind == "generate":
+        return "Generation prefills the prompt whole: lower the budget below the prompt length."
+    return (
+        f"Log-likelihoods stream each request chunk_size={chunk_size} token(s) per forward; policies that "
+        "compress at prefill (snapkv, pyramidkv) never act on one-token forwards: raise chunk_size (tokens "
+        "inside a chunk then see the whole chunk) or lower the budget below the request length."
+    )
+
+
+def _counters() -> dict:
+    return {"requests": 0, "tokens": 0, "tokens_evicted": 0}
 
 
 @register_model("kvcompress")
@@ -73,18 +92,43 @@ class KVCompressLM(HFLM):
         if attn_backend:
             set_backend(self.model, attn_backend)
         build_cache(policy, self.model)  # validates the policy against the model, installs the attention hook
-        self.kvc_stats = {"chunk_size": self.chunk_size, "requests": 0, "forward_calls": 0, "tokens": 0}
+        self.kvc_stats = {**_counters(), "chunk_size": self.chunk_size, "forward_calls": 0}
+        self.kvc_stats |= {kind: _counters() for kind in KINDS}
 
     def _new_cache(self):
         return build_cache(self.policy, self.model)
 
-    def _record(self, cache, batch: int, forwards: int) -> None:
-        """Count the call; keep the cache size of the longest sequence (tokens consumed, bytes held)."""
-        stats = self.kvc_stats
-        stats["requests"] += 1
-        stats["forward_calls"] += forwards
-        if cache.get_seq_length() >= stats["tokens"]:
-            stats.update(tokens=cache.get_seq_length(), batch=batch, cache_bytes=cache.memory_bytes())
+    def _record(self, cache, batch: int, forwards: int, kind: str) -> None:
+        """Count the call and its evicted tokens, overall and for its ``kind`` (``KINDS``); keep the cache
+        size of the longest sequence (tokens consumed, bytes held)."""
+        evicted = tokens_evicted(cache)
+        self.kvc_stats["forward_calls"] += forwards
+        for stats in (self.kvc_stats, self.kvc_stats[kind]):
+            stats["requests"] += 1
+            stats["tokens_evicted"] += evicted
+            if cache.get_seq_length() >= stats["tokens"]:
+                stats.update(tokens=cache.get_seq_length(), batch=batch, cache_bytes=cache.memory_bytes())
+
+    def compression(self) -> dict:
+        """``tokens_evicted`` over all requests and ``compressed`` when every kind of request that ran
+        compressed (evicted a token, or its longest request held fewer bytes than ``full``); a warning
+        names the kinds that never did. One ``full`` prefill per kind, for the byte reference."""
+        verdicts = {}
+        for kind in KINDS:
+            c = self.kvc_stats[kind]
+            if c["requests"]:
+                full = full_cache_bytes(self.model, c["tokens"], c["batch"])
+                verdicts[kind] = is_compressed(c["tokens_evicted"], c["cache_bytes"], full)
+        missed = [kind for kind, ok in verdicts.items() if not ok]
+        result = {
+            "tokens_evicted": self.kvc_stats["tokens_evicted"],
+            "compressed": bool(verdicts) and not missed,
+        }
+        if missed:
+            what = " or ".join(f"its {k} requests" for k in missed) + " (no eviction, bytes not below full)"
+            hint = " ".join(_hint(k, self.chunk_size) for k in missed)
+            result |= flag_uncompressed(self.policy.name, what, hint)
+        return result
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
         """Logits (B, T, V) of ``inps`` (B, T) streamed through a fresh policy cache in chunks."""
@@ -96,7 +140,7 @@ class KVCompressLM(HFLM):
             for s in tqdm(starts, desc="kvcompress stream", leave=False, disable=len(starts) < 256):
                 chunk = inps[:, s : s + self.chunk_size]
                 logits.append(self.model(chunk, cache=cache, use_cache=True).logits)  # (B, c, V)
-        self._record(cache, inps.shape[0], len(starts))
+        self._record(cache, inps.shape[0], len(starts), "loglikelihood")
         return torch.cat(logits, dim=1)
 
     def _model_generate(self, context, max_length: int, stop, **generation_kwargs):
@@ -106,7 +150,7 @@ class KVCompressLM(HFLM):
             generation_kwargs.setdefault("eos_token_id", eos)
         cache = self._new_cache()
         out = super()._model_generate(context, max_length, stop, cache=cache, **generation_kwargs)
-        self._record(cache, context.shape[0], out.shape[1] - context.shape[1])
+        self._record(cache, context.shape[0], out.shape[1] - context.shape[1], "generate")
         return out
 
     def get_model_info(self) -> dict:
@@ -114,5 +158,5 @@ class KVCompressLM(HFLM):
         return {
             "model_num_parameters": self.model.num_parameters(),
             "model_dtype": str(self.model.dtype),
-            "kvcompress": {"policy": self.policy.describe(), **self.kvc_stats},
+            "kvcompress": {"policy": self.policy.describe(), **self.kvc_stats, **self.compression()},
         }

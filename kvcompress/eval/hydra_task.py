@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-import torch
 from omegaconf import OmegaConf
 
-from kvcompress.cache import build_cache
+from kvcompress.metrics.compression import full_cache_bytes
 
 CASE_FIELDS = ("depth", "length", "id")
 
@@ -51,16 +50,9 @@ def cases(results: dict) -> list[dict]:
     return rows
 
 
-@torch.inference_mode()
-def full_cache_bytes(model, tokens: int, batch: int = 1) -> int:
-    """Bytes of the uncompressed cache over ``tokens`` tokens: the reference of ``cache_ratio``."""
-    cache = build_cache("full", model)
-    model(torch.zeros(batch, tokens, dtype=torch.long, device=model.device), cache=cache, use_cache=True)
-    return cache.memory_bytes()
-
-
 def run(model, tokenizer, policy, cfg) -> dict:
-    """Run ``cfg.tasks`` with lm-eval through ``policy``; metrics, cache bytes vs ``full``, per-case rows."""
+    """Run ``cfg.tasks`` with lm-eval through ``policy``; metrics, cache bytes vs ``full``, whether the policy
+    compressed (``tokens_evicted``, ``compressed``, a ``warning`` when it never did), per-case rows."""
     import lm_eval
 
     from kvcompress.eval.adapter import KVCompressLM
@@ -93,5 +85,7 @@ def run(model, tokenizer, policy, cfg) -> dict:
         metrics["cache_bytes"] = stats["cache_bytes"]
         metrics["full_cache_bytes"] = full_cache_bytes(model, stats["tokens"], stats["batch"])
         metrics["cache_ratio"] = metrics["cache_bytes"] / metrics["full_cache_bytes"]
+    info = out.get("config", {}).get("kvcompress") or lm.get_model_info()["kvcompress"]
+    metrics.update({k: info[k] for k in ("tokens_evicted", "compressed", "warning") if k in info})
     metrics["cases"] = cases(out)
     return metrics

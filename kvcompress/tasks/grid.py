@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from kvcompress.metrics.compression import flag_uncompressed
 from kvcompress.tasks.retrieval import run_case
 
 
@@ -56,6 +57,23 @@ def save_heatmap(table: dict, path: Path, title: str) -> bool:
     return True
 
 
+def compression_summary(policy_name: str, cases: list[dict]) -> dict:
+    """``tokens_evicted`` over all cases, ``compressed`` when every case compressed, and a ``warning``
+    naming the cases that did not (their whole prompt went through one prefill: the budget covers it)."""
+    missed = [c for c in cases if not c["compressed"]]
+    summary = {"tokens_evicted": sum(c["tokens_evicted"] for c in cases), "compressed": not missed}
+    if missed:
+        lengths = sorted({c["length"] for c in missed})
+        what = (
+            f"{len(missed)} of {len(cases)} cases (lengths {lengths}: 0 tokens evicted, bytes not below full)"
+        )
+        hint = (
+            "Their prompts were prefilled whole, so the policy's budget covers them: lower it below a prompt."
+        )
+        summary |= flag_uncompressed(policy_name, what, hint)
+    return summary
+
+
 def run_grid(model, tokenizer, policy, cfg, make_case, out_dir=None, name: str = "niah") -> dict:
     """Every (length, depth) of ``cfg`` through ``make_case(length, depth) -> Case``; returns metrics."""
     grid = [(n, d) for n in cfg.lengths for d in cfg.depths]
@@ -71,6 +89,7 @@ def run_grid(model, tokenizer, policy, cfg, make_case, out_dir=None, name: str =
         "correct": correct,
         "cases_total": len(cases),
         "question_in_prompt": bool(cfg.question_in_prompt),
+        **compression_summary(policy.name, cases),
         "table": {str(d): {str(n): a for n, a in row.items()} for d, row in table.items()},
         "cases": cases,
     }

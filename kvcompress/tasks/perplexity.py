@@ -1,15 +1,18 @@
-"""Decode-mode perplexity, cache memory and speed of one policy on the first ``max_tokens`` of a text."""
+"""Decode-mode perplexity, cache memory and speed of one policy on the first ``max_tokens`` of a text.
+
+``prefix_tokens`` turns it into prefix perplexity: compress a prompt in one prefill, score the rest. A
+policy that never compressed is marked ``compressed: false`` with a ``warning`` (see ``metrics.compression``).
+"""
 
 from __future__ import annotations
 
 import time
 
-import torch
-
 from kvcompress.cache import build_cache
 from kvcompress.data import load_text
 from kvcompress.guard import check_fits
 from kvcompress.metrics import decode_perplexity, measure_speed, peak_rss_bytes
+from kvcompress.metrics.compression import compression_check, full_cache_bytes, tokens_evicted
 from kvcompress.metrics.memory import peak_device_bytes, read_summary
 
 
@@ -28,27 +31,51 @@ def text_tokens(tokenizer, text_name: str, max_tokens: int, offset_tokens: int =
     return ids[:, :max_tokens]
 
 
-def run(model, tokenizer, policy, cfg) -> dict:
-    """Perplexity (decode mode), bytes vs ``full`` on the same tokens, prefill/decode speed."""
-    spec_max = getattr(model.config, "max_position_embeddings", 0)
-    ids = text_tokens(tokenizer, cfg.text, cfg.max_tokens, cfg.get("offset_tokens", 0), spec_max)
-    check_fits(model, cfg.max_tokens, chunk=cfg.chunk_size)
+def _never_compressed_hint(cfg) -> str:
+    """What to set when the policy never acted under this task's streaming."""
+    if cfg.get("prefix_tokens"):
+        return f"Lower the policy's budget below task.prefix_tokens={cfg.prefix_tokens}."
+    return (
+        f"Each forward carried task.chunk_size={cfg.chunk_size} token(s), and policies that compress at "
+        "prefill (snapkv, pyramidkv) never act then: set task.prefix_tokens (compress that many tokens in "
+        "one prefill, score the rest) or a larger task.chunk_size; or lower the policy's budget below "
+        f"task.max_tokens={cfg.max_tokens}."
+    )
+
+
+def _score(model, ids, policy, cfg) -> dict:
+    """Decode-mode (or prefix) perplexity, bytes vs ``full`` on the same tokens, and did it compress."""
     start = time.perf_counter()
     cache = build_cache(policy, model)  # includes a calibrating policy's calibration (or its reload)
     build_s = time.perf_counter() - start
     metrics = decode_perplexity(
-        model, ids, cache, chunk_size=cfg.chunk_size, progress=cfg.get("progress", True)
+        model,
+        ids,
+        cache,
+        chunk_size=cfg.chunk_size,
+        progress=cfg.get("progress", True),
+        prefix_tokens=cfg.get("prefix_tokens"),
     )
     metrics["build_cache_s"] = build_s
     metrics["cache_bytes"] = cache.memory_bytes()
     metrics["tokens_stored_mean"] = sum(s["tokens_stored"] for s in cache.stats()) / len(cache.layers)
     metrics.update(read_summary(cache.stats()))  # block_sparse: bytes read per decode step
-    with torch.inference_mode():  # the full cache over the same tokens, for the ratio
-        baseline = build_cache("full", model)
-        model(ids[:, :-1].to(model.device), cache=baseline, use_cache=True, logits_to_keep=1)
-    metrics["full_cache_bytes"] = baseline.memory_bytes()
+    metrics["full_cache_bytes"] = full_cache_bytes(model, ids.shape[1] - 1)  # the tokens the cache consumed
     metrics["cache_ratio"] = metrics["cache_bytes"] / metrics["full_cache_bytes"]
-    del cache, baseline
+    check = compression_check(
+        policy.name, tokens_evicted(cache), metrics["cache_bytes"], metrics["full_cache_bytes"],
+        _never_compressed_hint(cfg),
+    )  # fmt: skip
+    return metrics | check
+
+
+def run(model, tokenizer, policy, cfg) -> dict:
+    """Perplexity (decode mode, or prefix perplexity with ``prefix_tokens``), bytes vs ``full`` on the same
+    tokens, whether the policy compressed, prefill/decode speed."""
+    spec_max = getattr(model.config, "max_position_embeddings", 0)
+    ids = text_tokens(tokenizer, cfg.text, cfg.max_tokens, cfg.get("offset_tokens", 0), spec_max)
+    check_fits(model, cfg.max_tokens, chunk=max(cfg.chunk_size, cfg.get("prefix_tokens") or 0))
+    metrics = _score(model, ids, policy, cfg)
     if cfg.get("speed", True):
         prompt = ids[:, : cfg.get("prefill_tokens") or cfg.max_tokens]
         metrics.update(

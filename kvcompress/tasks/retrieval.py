@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress.cache import build_cache
+from kvcompress.metrics.compression import full_cache_bytes, is_compressed, tokens_evicted
 
 
 @dataclass
@@ -101,6 +102,7 @@ def run_case(model, tokenizer, policy, case: Case, cfg) -> dict:
     ids = answer(model, cache, head, tail, cfg.question_in_prompt, cfg.max_new_tokens, stop)
     response = tokenizer.decode(ids, skip_special_tokens=True)
     stats = cache.stats()
+    evicted = tokens_evicted(cache)
     return {
         "length": case.length,
         "depth": case.depth,
@@ -113,4 +115,13 @@ def run_case(model, tokenizer, policy, case: Case, cfg) -> dict:
         "correct": is_correct(response, case.answer),
         "tokens_stored_mean": sum(s["tokens_stored"] for s in stats) / len(stats),
         "cache_bytes": cache.memory_bytes(),
+        "tokens_evicted": evicted,
+        "compressed": _compressed(model, policy, cache, evicted),
     }
+
+
+def _compressed(model, policy, cache, evicted: int) -> bool:
+    """Evicted, or fewer bytes than ``full`` on the tokens consumed (one extra prefill, only when needed)."""
+    if evicted > 0 or policy.name == "full":
+        return evicted > 0
+    return is_compressed(evicted, cache.memory_bytes(), full_cache_bytes(model, cache.get_seq_length()))

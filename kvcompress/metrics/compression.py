@@ -1,0 +1,61 @@
+"""Did a run really compress? Evicted tokens and bytes against ``full``, and a warning when it did not.
+
+A policy that never acts in the chosen setting (SnapKV or PyramidKV under one-token streaming, a budget
+that covers the whole text) reports ``full``'s numbers; such a run is marked ``compressed: false`` with a
+``warning`` that says why and what to set, never passed off as a result.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from kvcompress.cache import build_cache
+
+
+def tokens_evicted(cache) -> int:
+    """Tokens dropped so far, summed over layers (``stats()["tokens_evicted"]``; 0 for layers without it)."""
+    return sum(int(s.get("tokens_evicted", 0)) for s in cache.stats())
+
+
+@torch.inference_mode()
+def full_cache_bytes(model, tokens: int, batch: int = 1) -> int:
+    """Bytes of the uncompressed (``full``) cache over ``tokens`` tokens: the reference of ``cache_ratio``."""
+    cache = build_cache("full", model)
+    ids = torch.zeros(batch, tokens, dtype=torch.long, device=model.device)
+    model(ids, cache=cache, use_cache=True, logits_to_keep=1)
+    return cache.memory_bytes()
+
+
+def is_compressed(evicted: int, cache_bytes: int, full_bytes: int) -> bool:
+    """Tokens were evicted, or the cache holds fewer bytes than ``full`` would on the same tokens
+    (quantized and low-rank storages)."""
+    return evicted > 0 or cache_bytes < full_bytes
+
+
+def flag_uncompressed(policy_name: str, what: str, hint: str) -> dict:
+    """``{"warning": ...}`` (also ``warnings.warn``-ed) for a policy other than ``full``, else ``{}``.
+
+    Args:
+        what: where it did not compress and the evidence ("in this run: 0 tokens evicted ...").
+        hint: what to set so that the policy acts in this setting (task-specific).
+    """
+    if policy_name == "full":
+        return {}
+    message = f"policy {policy_name!r} did not compress {what}; those numbers are full's. {hint}"
+    warnings.warn(message, stacklevel=3)
+    return {"warning": message}
+
+
+def compression_check(policy_name: str, evicted: int, cache_bytes: int, full_bytes: int, hint: str) -> dict:
+    """``{"tokens_evicted", "compressed"}`` of one cache, plus ``warning`` when a policy other than ``full``
+    neither evicted a token nor held fewer bytes than ``full`` on the same tokens."""
+    compressed = is_compressed(evicted, cache_bytes, full_bytes)
+    result = {"tokens_evicted": int(evicted), "compressed": compressed}
+    if not compressed:
+        evidence = (
+            f"0 tokens evicted and {cache_bytes} cache bytes vs {full_bytes} for 'full' on the same tokens"
+        )
+        result |= flag_uncompressed(policy_name, f"in this run ({evidence})", hint)
+    return result
