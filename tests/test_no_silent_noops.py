@@ -10,12 +10,12 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import SMALL
 from omegaconf import OmegaConf
 
 from kvcompress import build_cache
 from kvcompress.cache import make_policy
 from kvcompress.metrics import decode_perplexity
+from kvcompress.policies import QuantPolicy, SnapKVPolicy
 from kvcompress.report import flatten, markdown_table
 from kvcompress.tasks import niah
 from kvcompress.tasks import perplexity as ppl_task
@@ -60,7 +60,7 @@ def test_bad_prefix_tokens_name_the_allowed_range(llama, tokens, bad):
 
 
 def test_snapkv_compresses_a_prefix_and_is_flagged_under_one_token_streaming(llama, char_tokenizer, tmp_path):
-    snap = SMALL["snapkv"] | {"slack": None}
+    snap = SnapKVPolicy.TEST_PARAMS | {"slack": None}
     prefix, _ = _run_task(llama, char_tokenizer, _ppl_cfg(tmp_path, prefix_tokens=32), "snapkv", **snap)
     assert prefix["tokens_evicted"] > 0 and prefix["compressed"] is True and "warning" not in prefix
     assert prefix["tokens_scored"] == 48 - 32 - 1 and prefix["prefix_tokens"] == 32
@@ -78,7 +78,7 @@ def test_full_is_never_flagged_and_quant_counts_by_bytes(llama, char_tokenizer, 
     full, warned = _run_task(llama, char_tokenizer, _ppl_cfg(tmp_path), "full")
     assert full["compressed"] is False and full["tokens_evicted"] == 0 and "warning" not in full
     assert warned == [] and full["cache_ratio"] == pytest.approx(1.0)
-    quant, warned = _run_task(llama, char_tokenizer, _ppl_cfg(tmp_path), "quant", **SMALL["quant"])
+    quant, warned = _run_task(llama, char_tokenizer, _ppl_cfg(tmp_path), "quant", **QuantPolicy.TEST_PARAMS)
     assert quant["tokens_evicted"] == 0 and quant["compressed"] is True and warned == []
 
 
@@ -101,8 +101,8 @@ def _niah_cfg(tmp_path):
     ("policy", "params", "compressed", "flagged"),
     [
         ("full", {}, False, False),
-        ("snapkv", SMALL["snapkv"], True, False),
-        ("quant", SMALL["quant"], True, False),
+        ("snapkv", SnapKVPolicy.TEST_PARAMS, True, False),
+        ("quant", QuantPolicy.TEST_PARAMS, True, False),
         ("snapkv", {"budget": 500, "compression_ratio": None}, False, True),
     ],
 )
