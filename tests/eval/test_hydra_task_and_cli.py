@@ -64,5 +64,7 @@ def test_cli_runs_kvc_niah_offline(fake_cache, tiny_checkpoint, tmp_path):
     assert result["results"]["kvc_niah"]["exact_match,number"] in (0.0, 0.5, 1.0)
     info = result["config"]["kvcompress"]
     assert (
-        info["policy"] == {"name": "sliding_window", "sink_tokens": 4, "window": 16} and info["requests"] == 2
+        info["policy"]
+        == {"name": "sliding_window", "sink_tokens": 4, "window": 16, "storage": {"name": "dense"}}
+        and info["requests"] == 2
     )
