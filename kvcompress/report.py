@@ -12,6 +12,8 @@ from kvcompress.results import RESULTS_FILE, write_text_atomic
 
 DEFAULT_COLUMNS = [
     "policy",
+    "selector",
+    "storage",
     "params",
     "status",
     "tokens_scored",
@@ -41,6 +43,7 @@ def flatten(record: dict) -> dict:
     params = " ".join(f"{k}={v}" for k, v in policy.items())
     metrics = {k: v for k, v in record.get("metrics", {}).items() if not isinstance(v, (list, dict))}
     row = {"policy": name, "params": params, "status": record.get("status"), **metrics}
+    row.update({k: record[k] for k in ("selector", "storage") if k in record})
     if "run_dir" in record:
         row["run"] = Path(record["run_dir"]).name
     return row
