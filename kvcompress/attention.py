@@ -126,7 +126,16 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     if wants and query.shape[2] == 1 and attention_mask is None and _fusable(module, kwargs):
         out, probs = decode_attention(query, key, value, scaling)  # one pass gives output and scores
     elif backend_of(module.config) == "eager":
-        out, _ = eager_attention(module, query, key, value, attention_mask, scaling)
+        out, _ = model_eager(module)(
+            module,
+            query,
+            key,
+            value,
+            additive(attention_mask, query, key),
+            scaling=scaling,
+            dropout=dropout,
+            **kwargs,
+        )
     else:
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     if wants:
@@ -136,11 +145,32 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     return out, None
 
 
+def model_eager(module):
+    """The model's own eager attention (its softcapping, sinks, dropout), else kvcompress's reference."""
+    import sys
+
+    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", eager_attention)
+
+
+def additive(mask: torch.Tensor | None, query, key) -> torch.Tensor | None:
+    """The additive float mask eager attention functions add to their logits: from a boolean mask, or the
+    plain causal one when the mask is None (the models' eager functions never add causality themselves)."""
+    q, t = query.shape[2], key.shape[2]
+    if mask is None and q == 1:
+        return None
+    if mask is None:
+        mask = torch.ones(q, t, dtype=torch.bool, device=query.device).tril(t - q)[None, None]
+    if mask.dtype != torch.bool:
+        return mask
+    zeros = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device)
+    return zeros.masked_fill_(~mask, torch.finfo(query.dtype).min)
+
+
 def _fusable(module, kwargs) -> bool:
     """The fused decode path is used unless the model adds something to plain softmax attention
     (training dropout, logit soft-capping, learned attention sinks ``s_aux``)."""
     plain = not module.training and getattr(module.config, "attn_logit_softcapping", None) is None
-    return plain and kwargs.get("s_aux") is None
+    return plain and kwargs.get("s_aux") is None and getattr(module, "sinks", None) is None
 
 
 def register() -> None:

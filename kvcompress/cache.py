@@ -10,6 +10,7 @@ import dataclasses
 from transformers.cache_utils import Cache
 
 from kvcompress import attention, registry
+from kvcompress.families import attention_layout
 from kvcompress.policies.base import ModelSpec, Policy
 from kvcompress.profiling import TIMER
 from kvcompress.registry import CONF_DIR
@@ -61,17 +62,19 @@ def make_policy(policy, **params) -> Policy:
         return dataclasses.replace(policy, **params) if params else policy
     if isinstance(policy, dict):
         return policy_from_config({**policy, **params})
-    return registry.from_name("policy", policy, params, always=("storage",))
+    return registry.from_name("policy", policy, params, always=("storage", "apply_to"))
 
 
 def model_spec(model) -> ModelSpec:
     """What policies need to know about ``model``; refuses models that have no decoder KV cache."""
     cfg = model.config.get_text_config(decoder=True)
-    if getattr(cfg, "is_encoder_decoder", False) or not model.can_generate():
+    if getattr(model.config, "is_encoder_decoder", False) or not model.can_generate():
         raise ValueError(
-            f"model: {type(model).__name__} ({getattr(cfg, 'model_type', '?')}) is not a decoder-only causal "
-            "LM; kvcompress policies compress the KV cache of models like Llama, Qwen2, Gemma or Mistral"
+            f"model family {getattr(cfg, 'model_type', '?')!r} ({type(model).__name__}) is not supported: it "
+            "is not a decoder-only causal LM; kvcompress policies compress the KV cache of models like Llama, "
+            "Qwen2, Gemma or Mistral"
         )
+    layer_types, windows = attention_layout(model)
     heads = cfg.num_attention_heads
     return ModelSpec(
         num_layers=cfg.num_hidden_layers,
@@ -80,6 +83,8 @@ def model_spec(model) -> ModelSpec:
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
         max_positions=getattr(cfg, "max_position_embeddings", 0) or 0,
         model_type=getattr(cfg, "model_type", "unknown"),
+        layer_types=layer_types,
+        windows=windows,
     )
 
 

@@ -26,9 +26,9 @@ def Float(default, low: float, high: float, low_open=False, high_open=False, nul
     )
 
 
-def Choice(default, choices: tuple):  # noqa: N802
+def Choice(default, choices: tuple, kw_only: bool = False):  # noqa: N802
     """One of ``choices``."""
-    return dataclasses.field(default=default, metadata={_KEY: ("choice", tuple(choices))})
+    return dataclasses.field(default=default, kw_only=kw_only, metadata={_KEY: ("choice", tuple(choices))})
 
 
 def Bool(default: bool):  # noqa: N802

@@ -16,6 +16,16 @@ class ModelSpec:
     head_dim: int
     max_positions: int
     model_type: str = "llama"
+    layer_types: tuple[str, ...] = ()  # transformers' per-layer attention types ("" = all full attention)
+    windows: tuple[int | None, ...] = ()  # the model's own window (sliding) or chunk (chunked) per layer
+
+    def window(self, layer_idx: int) -> int | None:
+        """The model's attention window of a layer (tokens a query may see), None for full attention."""
+        return self.windows[layer_idx] if self.windows else None
+
+    def chunked(self, layer_idx: int) -> bool:
+        """Whether a windowed layer attends within fixed chunks (Llama-4) rather than a sliding window."""
+        return bool(self.layer_types) and self.layer_types[layer_idx] == "chunked_attention"
 
 
 class Shape(NamedTuple):

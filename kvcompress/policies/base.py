@@ -12,12 +12,17 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from kvcompress.fields import validate
+from kvcompress.fields import Choice, validate
 from kvcompress.policies.layer import PolicyLayer
 from kvcompress.spec import ModelSpec, Shape
 from kvcompress.storage.buffers import storage_bytes
 
 __all__ = ["ModelSpec", "Policy", "PolicyLayer", "Shape", "storage_bytes"]
+
+APPLY_TO = (
+    "full_attention",
+    "all",
+)  # which layers a policy compresses; windowed layers keep the model's window
 
 
 @dataclass
@@ -39,6 +44,7 @@ class Policy:
     FORMULA: ClassVar[bool] = False  # True in a class whose kept_tokens/state_bytes describe it exactly
 
     storage: object = field(default=None, kw_only=True)
+    apply_to: str = Choice("full_attention", APPLY_TO, kw_only=True)
 
     def __post_init__(self):
         validate(self, self.name)
@@ -71,6 +77,13 @@ class Policy:
         return dataclasses.replace(self, storage=self.storage.covering(n_tokens))
 
     def layer(self, layer_idx: int, spec: ModelSpec) -> PolicyLayer:
+        """This policy's layer, or on a windowed layer with ``apply_to: full_attention`` the model's own
+        window over dense storage (``ModelWindowLayer``)."""
+        if spec.window(layer_idx) is not None and self.apply_to == "full_attention":
+            from kvcompress.policies.model_window import ModelWindowLayer
+            from kvcompress.storage import DenseStorage
+
+            return ModelWindowLayer(self, layer_idx, spec, DenseStorage().layer(layer_idx, spec))
         return self.layer_class(self, layer_idx, spec, self.storage.layer(layer_idx, spec))
 
     def require_ints(self, **lows: int) -> None:
@@ -82,6 +95,8 @@ class Policy:
 
     def describe(self) -> dict:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "storage"}
+        if self.apply_to == "full_attention":
+            fields.pop("apply_to")  # the default: keeps records of full-attention models as they were
         return {"name": self.name, **_plain(fields), "storage": self.storage.describe()}
 
     # -- memory formula (per layer; see kvcompress.memory_model) ----------------------------

@@ -94,9 +94,12 @@ class BlockSparseLayer(PolicyLayer):
     def attend(self, query, key, value):
         if query.shape[2] > 1 or self.page_min is None:
             return super().attend(query, key, value)
-        self._view = (self._view[0], None)  # drop the transient validity reference
+        self._view = (self._view[0], None, None)  # drop the transient references
         pages = self.select(query[:, :, 0])
         idx, ok = self._tokens(pages, key.shape[-2])
+        if self.window is not None:  # never beyond the model's own window
+            kpos = idx if self.pos is None else self.pos.expand(-1, idx.shape[1], -1).gather(-1, idx)
+            ok = ok & self._window_mask(kpos, torch.tensor(self.seen - 1, device=self.device))
         self._count(pages, ok, key)
         return gather_tokens(key, idx), gather_tokens(value, idx), ok[:, :, None, :]
 

@@ -33,7 +33,7 @@ class StoragePreset(FullPolicy):
                 f"policy={self.name} sets its storage from its own fields; for another storage use "
                 f"policy=full storage=<name> (got storage={getattr(given, 'name', given)!r})"
             )
-        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "storage"}
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self.storage_class)}
         self.storage = self.storage_class(**own)
         self.storage._preset = True
         for name in own:  # the storage may fill in defaults (low_rank: rank 32 when energy is unset)

@@ -23,16 +23,14 @@ class H2OLayer(EvictionLayer):
     order, so a decode step's single eviction moves the newest token into the hole (O(1), ``drop_one``)."""
 
     order_free = True
-    per_token = ("acc", "pos")
+    needs_positions = True  # the base layer's ``pos`` (B, 1 or H_kv, T) int32
+    per_token = ("acc",)
 
     def on_append(self, key_states, new_valid) -> None:
         super().on_append(key_states, new_valid)
         b, h, q, _ = key_states.shape
         zeros = torch.zeros(b, h, q, dtype=torch.float32, device=key_states.device)
-        new_pos = torch.arange(self.seen, self.seen + q, dtype=torch.int32, device=key_states.device)
-        new_pos = new_pos.expand(b, h, q)
         self.acc = zeros if self.acc is None else torch.cat([self.acc, zeros], dim=-1)
-        self.pos = new_pos.clone() if self.pos is None else torch.cat([self.pos, new_pos], dim=-1)
 
     def observe_attention(self, query, key, scaling: float, probs=None) -> None:
         self.acc += self.scores(query, key, scaling, self.policy.observation_window, probs).sum(dim=2)
@@ -79,5 +77,7 @@ class H2OPolicy(EvictionPolicy):
             )
 
     def state_bytes(self, s: Shape, kept: int) -> int:
-        """One float32 accumulated score and one int32 position per kept token and KV head."""
-        return s.per_token(ACC_BYTES + POS_BYTES, kept)
+        """One float32 accumulated score per kept token and KV head, and one int32 position per kept token,
+        per KV head once heads have evicted differently (shared by the heads of a row until then)."""
+        pos_heads = s.kv_heads if kept < s.total else 1
+        return s.per_token(ACC_BYTES, kept) + s.batch * pos_heads * kept * POS_BYTES

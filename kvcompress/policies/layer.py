@@ -23,6 +23,8 @@ class PolicyLayer(CacheLayerMixin):
     is_croppable = False
     wants_scores = False
     order_free = False  # True: no decision depends on stored order, so evicting one token may reorder
+    needs_positions = False  # track each stored token's absolute position (``pos``) even on full layers
+    contiguous = False  # stored tokens are always the latest ones in order (positions need no tracking)
     per_token: tuple[str, ...] = ()  # (B, 1 or H_kv, T) tensors aligned with the stored tokens
     per_row: tuple[str, ...] = ()  # (B, ...) tensors
 
@@ -32,6 +34,10 @@ class PolicyLayer(CacheLayerMixin):
         )
         self.policy, self.layer_idx, self.spec, self.store = policy, layer_idx, spec, store
         self.valid: torch.Tensor | None = None  # (B, 1 or H_kv, T) bool; None = no padding stored
+        self.window, self.chunked = spec.window(layer_idx), spec.chunked(layer_idx)  # the model's own
+        self.track = self.needs_positions or (self.window is not None and not self.contiguous)
+        self.pos: torch.Tensor | None = None  # (B, 1 or H_kv, T) int32 absolute positions, when tracked
+        self.left_pad: torch.Tensor | None = None  # (B,) leading padding of each row (chunked layers)
         self.seen = self.evicted = 0
         self._view: tuple[int, torch.Tensor | None] | None = None
         for name in self.per_token + self.per_row:
@@ -49,11 +55,15 @@ class PolicyLayer(CacheLayerMixin):
         b, _, q, _ = key_states.shape
         new_valid = attention.new_token_validity(b, q, key_states.device)
         self.on_append(key_states, new_valid)
+        if self.seen == 0 and self.chunked:
+            self.left_pad = _leading_padding(new_valid, b, key_states.device)
         self.valid = _cat_valid(self.valid, new_valid, self.stored_length(), b, q, key_states.device)
+        if self.track:
+            self.pos = _cat_positions(self.pos, self.seen, b, q, key_states.device)
         self.store.append(key_states, value_states)
         self.seen += q
         keys, values = self.store.read()
-        self._view = (keys.shape[-2], self.valid)
+        self._view = (keys.shape[-2], self.valid, self.pos)
         self.compress(keys, values)
         if not self.wants_scores:
             self.end_step()
@@ -75,7 +85,7 @@ class PolicyLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.store.reset()
-        self.valid = self._view = None
+        self.valid = self._view = self.pos = self.left_pad = None
         self.seen = self.evicted = 0
         for name in self.per_token + self.per_row:
             setattr(self, name, None)
@@ -83,7 +93,7 @@ class PolicyLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.store.reorder(beam_idx)
-        for name in ("valid", *self.per_token, *self.per_row):
+        for name in ("valid", "pos", "left_pad", *self.per_token, *self.per_row):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, beam_idx.to(t.device)))
@@ -120,7 +130,11 @@ class PolicyLayer(CacheLayerMixin):
         before = self.stored_length()
         idx = idx if is_sorted else idx.sort(dim=-1).values
         self.store.keep(idx)
-        for name in ("valid", *self.per_token):  # shared (B, 1, T) tensors turn per head when heads differ
+        for name in (
+            "valid",
+            "pos",
+            *self.per_token,
+        ):  # shared (B, 1, T) ones turn per head when heads differ
             t = getattr(self, name)
             if t is not None:
                 h = max(t.shape[1], idx.shape[1])
@@ -134,8 +148,12 @@ class PolicyLayer(CacheLayerMixin):
         storage cannot do it in place or padding is stored."""
         if self.valid is not None or not self.store.drop_one(slot):
             return False
-        for name in self.per_token:
+        for name in ("pos", *self.per_token):
             x = getattr(self, name)
+            if x is None:
+                continue
+            if x.shape[1] != slot.shape[1]:
+                x = x.expand(-1, slot.shape[1], -1).clone()  # per-row positions turn per head
             t = x.shape[-1]
             x.scatter_(-1, slot.expand(-1, x.shape[1], -1), x[..., t - 1 :].clone())
             setattr(self, name, x[..., : t - 1])
@@ -143,15 +161,19 @@ class PolicyLayer(CacheLayerMixin):
         return True
 
     def keep_spans(self, spans: list[tuple[int, int]]) -> None:
-        """Keep only the token ranges ``[a, b)`` (the same in every row and head; no padding stored)."""
+        """Keep only the token ranges ``[a, b)`` (the same slots in every row and head)."""
         before = self.stored_length()
         self.store.keep_spans(spans)
+        for name in ("valid", "pos", *self.per_token):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, torch.cat([t[..., a:b] for a, b in spans], dim=-1))
         self.evicted += before - self.stored_length()
 
     # -- bytes and counters ---------------------------------------------------------------------
     def tensors(self) -> list[torch.Tensor]:
         own = [getattr(self, name) for name in (*self.per_token, *self.per_row)]
-        return [*self.store.tensors(), self.valid, *own]
+        return [*self.store.tensors(), self.valid, self.pos, self.left_pad, *own]
 
     def memory_bytes(self) -> int:
         return storage_bytes(self.tensors())
@@ -185,17 +207,39 @@ class PolicyLayer(CacheLayerMixin):
         return attention.window_scores(query[:, :, -w:], key, scaling, self.valid)
 
     def attention_mask(self, q: int) -> torch.Tensor | None:
-        """Boolean mask (B, 1 or H_kv, q, T) for what ``update`` returned, or None for plain causal."""
-        total, valid = self._view
-        self._view = (total, None) if valid is not None else self._view  # drop the transient reference
-        if valid is None and (q == 1 or q == total):
+        """Boolean mask (B or 1, 1 or H_kv, q, T) for what ``update`` returned, or None for plain causal.
+
+        Causal by absolute position, within the model's own window (sliding or chunked) on windowed layers,
+        and never on padding; a padding query (all masked) may see everything to avoid NaN rows.
+        """
+        total, valid, pos = self._view
+        self._view = (total, None, None)  # drop the transient references
+        windowed = self.window is not None and (self.chunked or total > self.window)
+        if valid is None and not windowed and (q == 1 or q == total):
             return None
-        kpos = torch.arange(total, device=self.device) - (total - q)
-        mask = (kpos[None, :] <= torch.arange(q, device=self.device)[:, None])[None, None]
+        qpos = (self.seen - q + torch.arange(q, device=self.device)).view(1, 1, q, 1)  # absolute positions
+        # untracked positions: the stored tokens read as the latest ones, which is exact for what the mask
+        # needs on a full-attention layer (all older tokens precede the step's queries)
+        if pos is None:
+            kpos = torch.arange(self.seen - total, self.seen, device=self.device).view(1, 1, 1, -1)
+        else:
+            kpos = pos[:, :, None, :]  # (B, h, 1, T)
+        mask = kpos <= qpos  # (B or 1, h, q, T)
+        if windowed:
+            mask = mask & self._window_mask(kpos, qpos)
         if valid is not None:
             mask = mask & valid[:, :, None, :]
             mask = mask | ~mask.any(-1, keepdim=True)  # padding queries: avoid all-masked rows (NaN)
         return mask
+
+    def _window_mask(self, kpos, qpos):
+        """The model's own window: ``kv > q - window`` (sliding) or the same chunk after left padding."""
+        if not self.chunked:
+            return kpos > qpos - self.window
+        pad = 0 if self.left_pad is None else self.left_pad.view(-1, 1, 1, 1)
+        return torch.div(kpos - pad, self.window, rounding_mode="floor") == torch.div(
+            qpos - pad, self.window, rounding_mode="floor"
+        )
 
 
 def _cat_valid(old, new, stored: int, batch: int, q: int, device):
@@ -211,3 +255,17 @@ def _cat_valid(old, new, stored: int, batch: int, q: int, device):
         else new[:, None].expand(-1, h, -1)
     )
     return torch.cat([old, new], dim=-1)
+
+
+def _leading_padding(new_valid, batch: int, device) -> torch.Tensor:
+    """Left padding of each row (B,) from the first forward's validity (B, q), zeros without padding."""
+    if new_valid is None:
+        return torch.zeros(batch, dtype=torch.long, device=device)
+    return (new_valid.long().cumsum(-1) == 0).sum(-1)
+
+
+def _cat_positions(old, seen: int, batch: int, q: int, device) -> torch.Tensor:
+    """Absolute positions (B, h, T + q) int32: the stored ones, then ``seen .. seen + q - 1``."""
+    h = 1 if old is None else old.shape[1]
+    new = torch.arange(seen, seen + q, dtype=torch.int32, device=device).expand(batch, h, q)
+    return new.clone() if old is None else torch.cat([old, new], dim=-1)

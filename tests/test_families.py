@@ -1,0 +1,98 @@
+"""Every decoder family in the zoo: ``full`` is the model's own cache, every policy at a covering budget is
+``full``, windowed layers never see beyond the model's window, and unsupported families are refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import POLICY_NAMES, small
+from helpers import stream_logits
+from transformers import DynamicCache
+from zoo import REFUSED, SERVED, WINDOW, make_family
+
+from kvcompress import build_cache, make_policy
+from kvcompress.cache import model_spec
+
+IDS = torch.randint(2, 95, (1, 48), generator=torch.Generator().manual_seed(1))  # 4x the window
+
+
+def _reference(model, ids, chunk):
+    return stream_logits(model, ids, DynamicCache(config=model.config), chunk)
+
+
+@pytest.mark.parametrize("family", sorted(SERVED))
+def test_full_is_the_models_own_cache(family):
+    model = make_family(family)
+    ref = _reference(model, IDS, 48)
+    for chunk in (48, 9, 1):  # one prefill, chunked prefill, token by token far past the window
+        got = stream_logits(model, IDS, build_cache("full", model), chunk)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", sorted(SERVED))
+def test_full_left_padded_batch_generates_as_the_models_own_cache(family):
+    model = make_family(family)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(2, 95, (2, 30), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    ids[1, :9] = 0
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    ref = model.generate(**kw, cache=DynamicCache(config=model.config))
+    got = model.generate(**kw, cache=build_cache("full", model))
+    assert torch.equal(got, ref)
+
+
+def _selectors():
+    return [n for n in POLICY_NAMES if make_policy(n).selector == n or n in ("quant", "low_rank")]
+
+
+@pytest.mark.parametrize("apply_to", ["full_attention", "all"])
+@pytest.mark.parametrize("family", sorted(SERVED))
+def test_every_policy_at_covering_budget_is_full(family, apply_to):
+    model = make_family(family)
+    ref = stream_logits(model, IDS, build_cache("full", model), 9)
+    for name in _selectors():
+        policy = small(name)
+        if "apply_to" in {f.name for f in dataclasses.fields(policy)}:
+            policy = dataclasses.replace(policy, apply_to=apply_to)
+        for chunk in (9, 1):  # chunked prefill, then token by token (decode paths: Quest pages, fused)
+            got = stream_logits(model, IDS, build_cache(policy.covering(48), model), chunk)
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4, msg=f"{family}: {name} ({apply_to})")
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "gpt_oss"])
+def test_windowed_layers_never_attend_beyond_the_window(family):
+    """With ``apply_to: all`` a policy that keeps everything on a windowed layer still reads only the
+    model's window: its logits equal the model's, whose sliding layers hold window - 1 tokens."""
+    model = make_family(family)
+    spec = model_spec(model)
+    assert any(spec.window(i) == WINDOW for i in range(spec.num_layers))
+    ref = _reference(model, IDS, 1)
+    policy = make_policy("sliding_window", window=200, apply_to="all")  # keeps all 48 tokens everywhere
+    cache = build_cache(policy, model)
+    torch.testing.assert_close(stream_logits(model, IDS, cache, 1), ref, atol=1e-5, rtol=1e-5)
+    windowed = [layer for layer in cache.layers if layer.window is not None]
+    assert windowed and all(layer.stored_length() == 48 for layer in windowed)  # kept, yet masked
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "cohere2"])
+def test_default_policy_compresses_only_global_layers_and_counts_window_bytes(family):
+    model = make_family(family)
+    cache = build_cache(small("h2o"), model)
+    stream_logits(model, IDS, cache, 5)
+    for layer, s in zip(cache.layers, cache.stats(), strict=True):
+        if layer.window is not None:  # the model's own window: window - 1 tokens after each step
+            assert s["selector"] == "model_window" and s["tokens_stored"] == WINDOW - 1 and s["bytes"] > 0
+        else:
+            assert s["selector"] == "h2o" and s["tokens_stored"] == 12  # h2o's small budget
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_unsupported_families_are_refused_by_name(family):
+    model = make_family(family)
+    name = model.config.get_text_config(decoder=True).model_type
+    with pytest.raises(ValueError, match=f"model family '{name}' .* is not supported: "):
+        build_cache("full", model)
