@@ -71,8 +71,8 @@ def model_spec(model) -> ModelSpec:
     if getattr(model.config, "is_encoder_decoder", False) or not model.can_generate():
         raise ValueError(
             f"model family {getattr(cfg, 'model_type', '?')!r} ({type(model).__name__}) is not supported: it "
-            "is not a decoder-only causal LM; kvcompress policies compress the KV cache of models like Llama, "
-            "Qwen2, Gemma or Mistral"
+            "is not a decoder-only causal LM; kvcompress policies compress the KV cache of models like "
+            "Llama, Qwen2, Gemma or Mistral"
         )
     layer_types, windows = attention_layout(model)
     heads = cfg.num_attention_heads

@@ -1,5 +1,5 @@
-"""Every decoder family in the zoo: ``full`` is the model's own cache, every policy at a covering budget is
-``full``, windowed layers never see beyond the model's window, and unsupported families are refused by name."""
+"""Every decoder family in the zoo: ``full`` is the model's own cache, every policy at a covering budget
+is ``full``, windowed layers never see beyond the model's window, unsupported families are refused by name."""
 
 from __future__ import annotations
 

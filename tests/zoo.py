@@ -20,6 +20,8 @@ COMMON = dict(
 
 HYBRID = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 
+GEMMA = {"head_dim": 16, "sliding_window": WINDOW, "layer_types": HYBRID, "query_pre_attn_scalar": 16}
+
 # family -> (config class, model class, extra config fields)
 SERVED = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -32,10 +34,8 @@ SERVED = {
               {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
-               {"head_dim": 16, "sliding_window": WINDOW, "layer_types": HYBRID, "query_pre_attn_scalar": 16}),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
-               {"head_dim": 16, "sliding_window": WINDOW, "layer_types": HYBRID, "query_pre_attn_scalar": 16}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {**GEMMA}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**GEMMA}),
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {"sliding_window": WINDOW, "layer_types": HYBRID}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": WINDOW, "partial_rotary_factor": 0.5}),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": WINDOW}),
