@@ -96,3 +96,18 @@ def test_unsupported_families_are_refused_by_name(family):
     name = model.config.get_text_config(decoder=True).model_type
     with pytest.raises(ValueError, match=f"model family '{name}' .* is not supported: "):
         build_cache("full", model)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_memory_model_counts_the_models_window(family):
+    from kvcompress.memory_model import predicted_for_model
+
+    model = make_family(family)
+    for name in ("full", "quant"):
+        policy = small(name)
+        cache = build_cache(policy, model)
+        with torch.inference_mode():
+            model(IDS[:, :40], cache=cache, use_cache=True)
+            for t in range(40, 48):
+                model(IDS[:, t : t + 1], cache=cache, use_cache=True)
+        assert cache.memory_bytes() == predicted_for_model(policy, model, 40, decode_tokens=8)

@@ -8,8 +8,11 @@ from kvcompress.spec import Shape
 DTYPE_BYTES = (1, 2, 4, 8)
 
 
-def layer_bytes(policy: Policy, s: Shape, layer_idx: int) -> int | None:
-    """One layer's bytes: the storage of the tokens the selector keeps, plus the selector's own state."""
+def layer_bytes(policy: Policy, s: Shape, layer_idx: int, window: int | None = None) -> int | None:
+    """One layer's bytes: the storage of the tokens the selector keeps, plus the selector's own state. On a
+    windowed layer under ``apply_to: full_attention``: the model's own window, ``kv(min(T, window - 1))``."""
+    if window is not None:
+        return s.kv(min(s.total, max(window - 1, 0))) if policy.apply_to == "full_attention" else None
     storage = policy.storage
     if not (declares_formula(type(policy)) and declares_formula(type(storage))):
         return None  # a subclass may change what is kept or stored: its own class must say so
@@ -52,7 +55,7 @@ def predicted_bytes(
     )
     total = 0
     for i in range(spec.num_layers):
-        size = layer_bytes(layer_policy_of(policy, i, spec.num_layers), shape, i)
+        size = layer_bytes(layer_policy_of(policy, i, spec.num_layers), shape, i, spec.window(i))
         if size is None:
             return None
         total += size

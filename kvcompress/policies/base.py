@@ -79,7 +79,7 @@ class Policy:
     def layer(self, layer_idx: int, spec: ModelSpec) -> PolicyLayer:
         """This policy's layer, or on a windowed layer with ``apply_to: full_attention`` the model's own
         window over dense storage (``ModelWindowLayer``)."""
-        if spec.window(layer_idx) is not None and self.apply_to == "full_attention":
+        if spec is not None and spec.window(layer_idx) is not None and self.apply_to == "full_attention":
             from kvcompress.policies.model_window import ModelWindowLayer
             from kvcompress.storage import DenseStorage
 

@@ -85,17 +85,30 @@ class EvictionLayer(PolicyLayer):
 
     wants_scores = True
 
+    per_row = ("row_padding",)  # (B,) padding tokens consumed by each row
+
     def __init__(self, policy, layer_idx, spec, store):
         super().__init__(policy, layer_idx, spec, store)
         self.padding_seen = 0  # padding tokens consumed by the least padded row
 
     def on_append(self, key_states, new_valid) -> None:
         if new_valid is not None:
-            self.padding_seen += int((~new_valid).sum(-1).min())
+            pad = (~new_valid).sum(-1)  # (B,)
+            self.padding_seen += int(pad.min())
+            self.row_padding = pad if self.row_padding is None else self.row_padding + pad
 
     def reset(self) -> None:
         super().reset()
         self.padding_seen = 0
+
+    def row_targets(self, k: int) -> torch.Tensor | None:
+        """Tokens each row keeps (B, 1, 1) when a ratio sizes rows of different real lengths (each row from
+        its own real tokens, at most ``k``); None when every row keeps ``k``."""
+        if self.policy.budget is not None or self.row_padding is None:
+            return None
+        real = (self.seen - self.row_padding).double()
+        own = (real * (1.0 - self.policy.compression_ratio) + 1e-9).floor().long().clamp(min=1, max=k)
+        return None if bool((own == k).all()) else own.view(-1, 1, 1)
 
     def target(self) -> int:
         """Tokens to keep now: the budget, or a fraction of the longest row's real tokens."""
@@ -120,7 +133,15 @@ class EvictionLayer(PolicyLayer):
         prio = torch.where(pos >= t - protect, _BIG + pos, scores.double())  # newest protected win ties
         if self.valid is not None:
             prio = torch.where(self.valid, prio, -_BIG + pos)  # padding only fills what real tokens cannot
-        return self.keep(prio.topk(min(k, t), dim=-1).indices)  # (B, h, k), sorted by keep
+        top = prio.topk(min(k, t), dim=-1).indices  # (B, h, k), best first
+        own = self.row_targets(top.shape[-1])
+        if own is None:
+            return self.keep(top)  # sorted by keep
+        idx, order = top.sort(dim=-1)
+        extra = (order >= own).expand(-1, idx.shape[1], -1)  # slots beyond a row's own target: padding
+        idx = self.keep(idx, is_sorted=True)
+        self.valid = self.valid.expand(-1, idx.shape[1], -1) & ~extra
+        return idx
 
     def stats(self) -> dict:
         return {**super().stats(), "target": self.target()}

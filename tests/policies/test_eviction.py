@@ -113,3 +113,26 @@ def test_snapkv_rejects_bad_fields(field, value, match):
 def test_covering_turns_ratio_into_no_eviction():
     assert H2OPolicy(compression_ratio=0.5).covering(100).compression_ratio == 0.0
     assert SnapKVPolicy(budget=8).covering(100).budget == 100
+
+
+@pytest.mark.parametrize("name", ["h2o", "snapkv", "tova"])
+def test_ratio_sizes_each_padded_row_from_its_own_real_tokens(name, llama):
+    """compression_ratio=0.5 on a left-padded batch: each row keeps half of *its* real tokens (the extra
+    slots of the shorter row are masked like padding), exactly what it keeps alone."""
+    from kvcompress import make_policy
+
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(2, 95, (2, 40), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :16] = 0  # row 1: 24 real tokens
+    policy = make_policy(name, compression_ratio=0.5)
+    cache = build_cache(policy, llama)
+    with torch.inference_mode():
+        llama(ids, attention_mask=mask, cache=cache, use_cache=True)
+    alone = build_cache(policy, llama)
+    with torch.inference_mode():
+        llama(ids[1:, 16:], cache=alone, use_cache=True)
+    for layer, ref in zip(cache.layers, alone.layers, strict=True):
+        real = layer.valid.sum(-1)  # (B, H_kv): real tokens each row and head keeps
+        assert real[0].tolist() == [20] * real.shape[1] and real[1].tolist() == [12] * real.shape[1]
+        assert ref.stored_length() == 12
