@@ -26,7 +26,7 @@ class BlockEvictLayer(EvictionLayer):
     received, and per-row counters ``n_real`` (real tokens consumed) and ``n_blocks`` (blocks stored),
     both (B,) int32."""
 
-    per_row = ("block_scores", "n_real", "n_blocks")
+    per_row = (*EvictionLayer.per_row, "block_scores", "n_real", "n_blocks")
 
     def stats(self) -> dict:
         blocks = 0 if self.n_blocks is None else int(self.n_blocks.max())

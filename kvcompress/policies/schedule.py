@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from kvcompress.fields import validate
 from kvcompress.policies.base import ModelSpec, Policy, PolicyLayer
 
 
@@ -72,6 +73,7 @@ class SchedulePolicy(Policy):
     rules: list = field(default_factory=list)
 
     def __post_init__(self):
+        validate(self, self.name)
         self.default = None if self.default is None else _as_policy(self.default)
         rules = []
         for rule in self.rules:
@@ -115,6 +117,8 @@ class SchedulePolicy(Policy):
             key = (id(p), id(s))
             if key not in made:
                 made[key] = p if s is None else with_storage(p, s)
+                if self.apply_to == "all":  # the schedule's own apply_to reaches every layer's policy
+                    made[key] = dataclasses.replace(made[key], apply_to="all")
             out.append(made[key])
         self._assigned[num_layers] = out
         return out

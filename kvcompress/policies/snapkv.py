@@ -28,7 +28,7 @@ def pool_scores(scores: torch.Tensor, kernel_size: int, pooling: str) -> torch.T
 class SnapKVLayer(EvictionLayer):
     """With ``slack`` set, also holds the last ``observation_window`` queries (B, H, w, D)."""
 
-    per_row = ("queries",)
+    per_row = (*EvictionLayer.per_row, "queries")
 
     def observe_attention(self, query, key, scaling: float, probs=None) -> None:
         p, k, stored = self.policy, self.target(), self.stored_length()
