@@ -94,8 +94,12 @@ def overlaps(span: dict | None, text: str, chars: tuple[int, int]) -> bool:
     return chars[0] < b and a < chars[1]
 
 
-def check_disjoint(spans: list[dict], text: str, chars: tuple[int, int], what: str) -> None:
-    """Refuse an evaluation that reads characters ``chars`` of ``text`` inside any calibration span."""
+def check_disjoint(spans: list[dict], text: str, chars, what: str) -> None:
+    """Refuse an evaluation that reads characters ``chars`` (``(a, b)``, or a function giving them, called
+    only when a span is on the same text) of ``text`` inside any calibration span."""
+    if not any(span.get("text") == text and span.get("chars") for span in spans):
+        return
+    chars = chars() if callable(chars) else chars
     for span in spans:
         if overlaps(span, text, chars):
             raise ValueError(
@@ -104,3 +108,30 @@ def check_disjoint(spans: list[dict], text: str, chars: tuple[int, int], what: s
                 "calibration text. Evaluate an earlier part (smaller task.max_tokens / offset), or calibrate "
                 "on another text or fewer calibration_tokens"
             )
+
+
+def cache_spans(cache) -> list[dict]:
+    """The calibration ranges of a built cache's layers (low-rank storages; none for others), unique."""
+    spans = []
+    for layer in cache.layers:
+        span = getattr(getattr(layer.store, "config", None), "calibration_range", None)
+        if span and span not in spans:
+            spans.append(span)
+    return spans
+
+
+def text_span(tokenizer, body: str, start: int, stop: int) -> tuple[int, int]:
+    """Characters ``[a, b)`` of ``body`` covered by its tokens ``start..stop`` (as ``tokenizer(body)``)."""
+    return text_chars(tokenizer, body, start), text_chars(tokenizer, body, stop)
+
+
+def text_chars(tokenizer, body: str, stop: int, with_special: bool = True) -> int:
+    """Characters of ``body`` covered by its first ``stop`` tokens (as ``tokenizer(body)`` splits it)."""
+    if stop <= 0:
+        return 0
+    try:
+        enc = tokenizer(body, add_special_tokens=with_special, return_offsets_mapping=True)
+        return int(max(end for _, end in enc["offset_mapping"][:stop]))
+    except (NotImplementedError, TypeError, ValueError, KeyError):  # a slow tokenizer: decode the prefix
+        ids = tokenizer(body, add_special_tokens=with_special)["input_ids"][:stop]
+        return len(tokenizer.decode(ids, skip_special_tokens=True)) + 1

@@ -92,6 +92,11 @@ class LowRankChecks:
             raise RuntimeError("low_rank is not calibrated: build it with build_cache(policy, model)")
         return self._calibration
 
+    @property
+    def calibration_range(self) -> dict | None:
+        """The text span calibration read (``text``, ``tokens``, ``chars``), once calibrated."""
+        return None if self._calibration is None else self._calibration.get("range")
+
     def describe(self) -> dict:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         tok = fields["tokenizer"]
