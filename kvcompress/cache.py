@@ -29,7 +29,9 @@ class KVCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
         with TIMER.measure():
-            keys, values = layer.update(key_states, value_states)
+            keys, values = layer.update(
+                key_states, value_states, positions=_positions(key_states, args, kwargs)
+            )
         attention.set_current_layer(layer)
         return keys, values
 
@@ -40,6 +42,18 @@ class KVCache(Cache):
     def stats(self) -> list[dict]:
         """One dict per layer: tokens seen/stored/evicted, bytes, and policy-specific counters."""
         return [layer.stats() for layer in self.layers]
+
+
+def _positions(keys, args, kwargs):
+    """The ``position_ids`` (B or 1, q) the model rotated this step's keys at, when its attention passed
+    them to ``update`` (transformers 5.x: ``kwargs=...``); None otherwise (then consecutive positions)."""
+    import torch
+
+    for extra in (kwargs.get("kwargs"), kwargs.get("cache_kwargs"), *args):
+        pos = extra.get("position_ids") if isinstance(extra, dict) else None
+        if isinstance(pos, torch.Tensor) and pos.ndim == 2 and pos.shape[-1] == keys.shape[2]:
+            return pos
+    return None
 
 
 def known_policies() -> list[str]:

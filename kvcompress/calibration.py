@@ -1,10 +1,12 @@
-"""Calibrated projection bases for low-rank KV caches.
+"""Calibration moments for low-rank KV caches, computed once per model and text, then reused from disk.
 
-The model runs once over calibration text with a ``full`` cache; the post-RoPE keys and the values of
-every layer and KV head give a second-moment matrix whose eigenvectors (largest first) are the basis. The
-complete basis and its eigenvalues are kept, so any rank or energy target is a slice of one calibration:
-results are keyed by the model (config and a sample of its weights) and the calibration token ids, saved
-atomically under ``cache_dir()/calibration`` and reused by later runs.
+The model runs once over calibration text with a ``full`` cache. Per layer the joint uncentred second
+moments (H_kv * D, H_kv * D) of post-RoPE keys, pre-RoPE keys (the same keys un-rotated with the model's
+own rotary embedding, ``kvcompress.storage.rope``) and values are kept, so any basis layout (per head,
+per group, joint) and any rank or energy target is derived from one calibration
+(``kvcompress.storage.low_rank_bases``). Results are keyed by the model (config and a sample of its weights)
+and the calibration token ids, saved atomically under ``cache_dir()/calibration`` and reused; each records
+the text range it read (``range``), so evaluation can refuse to overlap it.
 """
 
 from __future__ import annotations
@@ -19,46 +21,22 @@ from pathlib import Path
 import torch
 
 from kvcompress.assets import cache_dir
+from kvcompress.calibration_text import RANDOM, calibration_ids
 
-VERSION = 1  # bump when the stored content changes
-RANDOM = "random"
+VERSION = 2  # bump when the stored content changes
+MOMENTS = ("keys_post", "keys_pre", "values")
 _MEMO: dict[str, dict] = {}
 
-
-def calibration_ids(model, text: str, n_tokens: int) -> torch.Tensor:
-    """Token ids (1, n_tokens): the *last* ``n_tokens`` of ``text`` (evaluation reads texts from the start,
-    so the two do not overlap), or seeded uniform ids for ``text="random"`` (tests, no tokenizer)."""
-    if text == RANDOM:
-        vocab = model.config.get_text_config(decoder=True).vocab_size
-        return torch.randint(0, vocab, (1, n_tokens), generator=torch.Generator().manual_seed(0))
-    from transformers import AutoTokenizer
-
-    from kvcompress.data import load_text
-
-    source = getattr(model, "name_or_path", "")
-    try:
-        tok = AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError, TypeError) as err:
-        raise ValueError(
-            f"low_rank.calibration_text={text!r} needs the model's tokenizer, which could not be loaded from "
-            f"{source!r} ({err}); use calibration_text='random' for a model without one"
-        ) from err
-    body = load_text(text)
-    ids = tok(body[-n_tokens * 16 :], return_tensors="pt").input_ids  # a tail slice: no full tokenization
-    if ids.shape[1] < n_tokens:
-        raise ValueError(
-            f"low_rank.calibration_tokens={n_tokens}: text {text!r} has only {ids.shape[1]} tokens"
-        )
-    return ids[:, -n_tokens:]
+__all__ = ["RANDOM", "calibrate", "calibration_ids", "model_fingerprint", "second_moments"]
 
 
 def model_fingerprint(model) -> str:
-    """Hash of what shapes post-RoPE keys: architecture, RoPE settings, a strided sample of each weight."""
+    """Hash of what shapes the keys: architecture, RoPE settings, a strided sample of each weight."""
     cfg = model.config.get_text_config(decoder=True)
     h = hashlib.sha256()
     for attr in ("model_type", "hidden_size", "num_hidden_layers", "num_key_value_heads", "head_dim"):
         h.update(repr(getattr(cfg, attr, None)).encode())
-    for attr in ("rope_parameters", "rope_theta", "rope_scaling"):
+    for attr in ("rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_factor", "no_rope_layers"):
         h.update(repr(getattr(cfg, attr, None)).encode())
     for name, p in model.named_parameters():
         flat = p.detach().reshape(-1)
@@ -67,60 +45,68 @@ def model_fingerprint(model) -> str:
     return h.hexdigest()
 
 
+def _moment(x: torch.Tensor) -> torch.Tensor:
+    """Joint second moment (H * D, H * D) float64 of ``x`` (H, T, D)."""
+    flat = x.double().transpose(0, 1).reshape(x.shape[1], -1)  # (T, H * D)
+    return flat.T @ flat / flat.shape[0]
+
+
+def _ropes(model, num_layers: int):
+    """The model's per-layer ``Rope`` (None for NoPE layers), or None when keys cannot be un-rotated."""
+    from kvcompress.storage.rope import model_ropes
+
+    try:
+        return model_ropes(model, num_layers)
+    except ValueError:
+        return None
+
+
 @torch.inference_mode()
-def second_moments(model, ids: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uncentred second moments of keys and values, each (L, H_kv, D, D) float64, from one ``full`` pass."""
+def second_moments(model, ids: torch.Tensor, chunk: int = 1024) -> dict[str, torch.Tensor | None]:
+    """Joint moments (L, H_kv * D, H_kv * D) float32 of ``MOMENTS`` from one ``full`` pass over ``ids``
+    (``keys_pre`` None when the model's RoPE cannot be inverted)."""
     from kvcompress.cache import build_cache
 
     cache = build_cache("full", model)
     for start in range(0, ids.shape[1], chunk):
         model(ids[:, start : start + chunk].to(model.device), cache=cache, use_cache=True)
-    moments = []
-    for layer in cache.layers:
-        k, v = layer.keys[0].double(), layer.values[0].double()  # (H_kv, T, D)
-        moments.append((k.mT @ k / k.shape[1], v.mT @ v / v.shape[1]))
-    keys, values = zip(*moments, strict=True)
-    return torch.stack(keys).cpu(), torch.stack(values).cpu()
+    ropes = _ropes(model, len(cache.layers))
+    out = {name: [] for name in MOMENTS}
+    for i, layer in enumerate(cache.layers):
+        keys, values = layer.keys[:1], layer.values[:1]  # (1, H_kv, T, D), positions 0..T-1
+        out["keys_post"].append(_moment(keys[0]))
+        out["values"].append(_moment(values[0]))
+        if ropes is not None:
+            rope = ropes[i]
+            pos = torch.arange(keys.shape[2], device=keys.device).expand(1, keys.shape[1], -1)
+            out["keys_pre"].append(_moment((keys.float() if rope is None else rope.unrotate(keys, pos))[0]))
+    return {k: torch.stack(v).float().cpu() if v else None for k, v in out.items()}
 
 
-def eigenbasis(moment: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eigenbasis (..., D, D) of ``moment`` (columns by decreasing eigenvalue) and eigenvalues (..., D)."""
-    values, vectors = torch.linalg.eigh(moment)
-    return vectors.flip(-1).float(), values.flip(-1).clamp(min=0).float()
+def calibrate(model, text: str, n_tokens: int, directory: str | Path | None = None, tokenizer=None) -> dict:
+    """Moments of keys (post- and pre-RoPE) and values per layer, computed once and then reused from disk.
 
-
-def rank_for_energy(eigenvalues: torch.Tensor, energy: float) -> int:
-    """Smallest r whose leading eigenvalues (H_kv, D) hold ``energy`` of the total in every head."""
-    share = eigenvalues.cumsum(-1) / eigenvalues.sum(-1, keepdim=True).clamp(min=1e-30)
-    per_head = (share < energy - 1e-6).sum(-1) + 1  # tolerance: energy=1.0 must reach head_dim exactly
-    return int(per_head.clamp(max=eigenvalues.shape[-1]).max())
-
-
-def calibrate(model, text: str, n_tokens: int, directory: str | Path | None = None) -> dict:
-    """Bases of keys and values per layer and KV head, computed once and then reused from disk.
-
-    Returns a dict with ``key_basis``/``value_basis`` (L, H_kv, D, D), ``key_energy``/``value_energy``
-    (L, H_kv, D) eigenvalues, ``seconds`` (time of the calibration pass when it ran), ``tokens``, and
+    Returns a dict with the ``MOMENTS`` (L, H_kv * D, H_kv * D), ``range`` (the text span read, see
+    ``calibration_ids``), ``seconds`` (time of the calibration pass when it ran), ``tokens``, and
     ``source``: ``"computed"``, ``"disk"`` or ``"memory"``.
     """
-    ids = calibration_ids(model, text, n_tokens)
+    ids, span = calibration_ids(model, text, n_tokens, tokenizer)
     ident = {"version": VERSION, "model": model_fingerprint(model), "text": text}
     ident["ids"] = hashlib.sha256(ids.numpy().astype("int64").tobytes()).hexdigest()
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
     path = Path(directory) if directory else cache_dir() / "calibration"
-    path = path / f"kv-basis-{key}.pt"
+    path = path / f"kv-moments-{key}.pt"
     if key in _MEMO and path.exists():
         return {**_MEMO[key], "source": "memory"}
     if path.exists():
         result = {**torch.load(path, weights_only=True), "source": "disk"}
     else:
         start = time.perf_counter()
-        k_moment, v_moment = second_moments(model, ids)
-        (kb, ke), (vb, ve) = eigenbasis(k_moment), eigenbasis(v_moment)
-        result = {"key_basis": kb, "key_energy": ke, "value_basis": vb, "value_energy": ve}
-        result.update(seconds=time.perf_counter() - start, tokens=ids.shape[1], ident=ident)
+        result = second_moments(model, ids)
+        result.update(seconds=time.perf_counter() - start, tokens=ids.shape[1], ident=ident, range=span)
         _save_atomic(result, path)
         result["source"] = "computed"
+    result.setdefault("bases", {})  # eigenbases derived from the moments, shared by later builds
     _MEMO[key] = result
     return result
 

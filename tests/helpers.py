@@ -90,3 +90,28 @@ def save_tiny_checkpoint(path, texts) -> None:
     )  # fmt: skip
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
+
+
+def save_tiny_gguf_tokenizer(folder, checkpoint) -> None:
+    """``folder/tiny.gguf``: the byte-level BPE tokenizer of ``checkpoint`` (``save_tiny_checkpoint``) in
+    GGUF metadata, with one placeholder tensor: what ``AutoTokenizer(folder, gguf_file=...)`` reads."""
+    import json
+    from pathlib import Path
+
+    import gguf
+    import numpy as np
+
+    spec = json.loads((Path(checkpoint) / "tokenizer.json").read_text())["model"]
+    tokens = sorted(spec["vocab"], key=spec["vocab"].get)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(Path(folder) / "tiny.gguf"), "llama")
+    w.add_block_count(2), w.add_context_length(1024), w.add_embedding_length(64)
+    w.add_feed_forward_length(96), w.add_head_count(4), w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-6), w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre("default"), w.add_token_list(tokens)
+    w.add_token_types([1] * len(tokens))
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["merges"]])
+    w.add_bos_token_id(1), w.add_eos_token_id(2), w.add_pad_token_id(0)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 64), dtype=np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
+    w.close()

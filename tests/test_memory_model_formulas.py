@@ -85,15 +85,41 @@ def test_low_rank_int8_coefficients_with_residual(spec):
     projected = 1000 - 64
     coef = 3 * projected * (16 + 16)  # int8 key and value coefficients
     scales = 2 * 3 * projected * 2  # one bf16 scale per token, head and tensor
-    residual, bases = 2 * 3 * 64 * 64 * 2, 3 * 64 * 32 * 2
-    policy = LowRankPolicy(rank=16, residual_length=64, int8_coefficients=True)
+    residual, bases = 2 * 3 * 64 * 64 * 2, 3 * 64 * 32 * 4  # float32 bases whatever the model dtype
+    policy = LowRankPolicy(
+        rank=16, residual_length=64, int8_coefficients=True, basis="head", keys="post_rope"
+    )
     assert predicted_bytes(policy, spec, 1000, BF16) == 30 * (coef + scales + residual + bases)
+
+
+def test_low_rank_pre_rope_joint_counts_positions_and_joint_bases(spec):
+    projected = 1000 - 64
+    coef = 3 * projected * (16 + 16)
+    scales = 2 * 1 * projected * 2  # one latent (and scale) per token for all 3 KV heads
+    positions = 3 * 1000 * 4  # int32 per stored token and head, residual included
+    residual, bases = 2 * 3 * 64 * 64 * 2, 2 * (3 * 64) * (16 * 3) * 4  # (H * D, 3 * rank) per kind
+    policy = LowRankPolicy(rank=16, residual_length=64, int8_coefficients=True)
+    assert predicted_bytes(policy, spec, 1000, BF16) == 30 * (coef + scales + positions + residual + bases)
+
+
+def test_low_rank_keys_with_int4_values(spec):
+    keys = 3 * 1000 * 24 * 2 + 3 * 1000 * 4  # bf16 coefficients (no residual) + positions
+    values = make_policy("quant").storage.bytes_for(shape(spec, 1000), 1000) // 2  # KIVI values alone
+    bases = 3 * 64 * 24 * 3 * 4
+    policy = LowRankPolicy(rank=24, values={"name": "quant", "bits": 4})
+    assert predicted_bytes(policy, spec, 1000, BF16) == 30 * (keys + values + bases)
+
+
+def shape(spec, tokens):
+    from kvcompress.spec import Shape
+
+    return Shape(1, spec.num_kv_heads, spec.num_heads, spec.head_dim, BF16, tokens, 0)
 
 
 def test_batch_rows_scale_everything_but_bases(spec):
     assert predicted_bytes("full", spec, 300, BF16, batch=4) == 4 * kv_bytes(300)
     one, four = (predicted_bytes(LowRankPolicy(rank=8), spec, 300, BF16, batch=b) for b in (1, 4))
-    assert four - 4 * one == -3 * 30 * 3 * 64 * 16 * 2  # the per-layer bases are not per row
+    assert four - 4 * one == -3 * 30 * 2 * (3 * 64 * 8 * 3) * 4  # the per-layer joint bases are not per row
 
 
 @dataclass

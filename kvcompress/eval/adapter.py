@@ -22,6 +22,8 @@ from tqdm.auto import tqdm
 
 from kvcompress.attention import set_backend
 from kvcompress.cache import CONF_DIR, build_cache, known_policies, make_policy
+from kvcompress.calibration_text import cache_spans
+from kvcompress.eval.calibration_guard import CalibrationGuard
 from kvcompress.metrics.compression import flag_uncompressed, full_cache_bytes, is_compressed, tokens_evicted
 from kvcompress.models import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_model_dir, resolve_device
 from kvcompress.policies.base import Policy
@@ -69,7 +71,7 @@ def _counters() -> dict:
 
 
 @register_model("kvcompress")
-class KVCompressLM(HFLM):
+class KVCompressLM(CalibrationGuard, HFLM):
     """``HFLM`` whose forward passes and generations read and write a kvcompress policy cache.
 
     Args:
@@ -91,7 +93,8 @@ class KVCompressLM(HFLM):
         self.policy, self.chunk_size = policy, int(chunk_size)
         if attn_backend:
             set_backend(self.model, attn_backend)
-        build_cache(policy, self.model)  # validates the policy against the model, installs the attention hook
+        cache = build_cache(policy, self.model)  # validates the policy, installs the attention hook
+        self.calibration_ranges = cache_spans(cache)  # documents reading these are refused
         self.kvc_stats = {**_counters(), "chunk_size": self.chunk_size, "forward_calls": 0}
         self.kvc_stats |= {kind: _counters() for kind in KINDS}
 
@@ -158,5 +161,10 @@ class KVCompressLM(HFLM):
         return {
             "model_num_parameters": self.model.num_parameters(),
             "model_dtype": str(self.model.dtype),
-            "kvcompress": {"policy": self.policy.describe(), **self.kvc_stats, **self.compression()},
+            "kvcompress": {
+                "policy": self.policy.describe(),
+                "calibration_ranges": self.calibration_ranges,
+                **self.kvc_stats,
+                **self.compression(),
+            },
         }

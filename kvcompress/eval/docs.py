@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import random
+import re
 
-from kvcompress.data import essays_dir
+from kvcompress.data import DEFAULT_TEXT, essays_dir
 
 ESSAY_MIN_CHARS = 2000
 ESSAY_MAX_CHARS = 6000
@@ -22,13 +23,24 @@ def _cut(text: str, max_chars: int) -> str:
     return head[: head.rstrip().rfind(" ")].rstrip() if " " in head else head
 
 
-def essay_documents() -> list[dict]:
-    """One document per essay of at least 2000 characters: its first ~6000 characters (cut at a space)."""
-    docs = []
+def _essays() -> list[tuple[str, str, int]]:
+    """(title, stripped text, first character in ``load_text("pg_essays")``) of every essay, in its order."""
+    out, at = [], 0
     for path in sorted(essays_dir().glob("*.txt")):
         text = path.read_text(encoding="utf-8").strip()
+        out.append((path.stem, text, at))
+        at += len(text) + 2  # load_text joins the essays with a blank line
+    return out
+
+
+def essay_documents() -> list[dict]:
+    """One document per essay of at least 2000 characters: its first ~6000 characters (cut at a space).
+    ``span``: the characters of ``load_text("pg_essays")`` it reads (checked against calibration ranges)."""
+    docs = []
+    for title, text, at in _essays():
         if len(text) >= ESSAY_MIN_CHARS:
-            docs.append({"title": path.stem, "page": _cut(text, ESSAY_MAX_CHARS)})
+            page = _cut(text, ESSAY_MAX_CHARS)
+            docs.append({"title": title, "page": page, "text": DEFAULT_TEXT, "span": [at, at + len(page)]})
     return docs
 
 
@@ -45,7 +57,9 @@ def niah_documents(lengths=NIAH_LENGTHS, depths=NIAH_DEPTHS, repeats: int = 2, s
 
     The question comes after the context; the answer is the number (exact match on the digits).
     """
-    words = " ".join(p.read_text(encoding="utf-8") for p in sorted(essays_dir().glob("*.txt"))).split()
+    essays = _essays()
+    found = [(at + m.start(), at + m.end()) for _, text, at in essays for m in re.finditer(r"\S+", text)]
+    words = [word for _, text, _ in essays for word in text.split()]  # found[i]: characters of words[i]
     rng = random.Random(seed)
     docs = []
     for length in lengths:
@@ -67,6 +81,8 @@ def niah_documents(lengths=NIAH_LENGTHS, depths=NIAH_DEPTHS, repeats: int = 2, s
                         "length": length,
                         "depth": depth,
                         "needle_word": at,
+                        "text": DEFAULT_TEXT,
+                        "span": [found[start][0], found[start + length - 1][1]],
                     }
                 )
     return docs

@@ -14,7 +14,7 @@ from kvcompress.assets import cache_dir
 from kvcompress.results import write_text_atomic
 
 SOURCE_DIR = Path(__file__).resolve().parent / "lm_tasks"
-DATA_VERSION = 1
+DATA_VERSION = 2  # 2: documents carry the essays' character span they read
 OFFLINE_TASKS = ("kvc_essays_ppl", "kvc_niah")
 
 

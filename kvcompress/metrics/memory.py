@@ -20,6 +20,14 @@ def peak_device_bytes(device) -> int | None:
     return None
 
 
+def fixed_bytes(cache) -> int:
+    """Bytes of per-model constants (low-rank bases) a cache holds: shared by every sequence, so reported
+    apart from the per-token bytes."""
+    from kvcompress.storage.buffers import storage_bytes
+
+    return storage_bytes(t for layer in cache.layers for t in layer.store.fixed_tensors())
+
+
 def read_summary(stats: list[dict]) -> dict:
     """KV bytes read per decode step over all layers, for policies that count reads (``block_sparse``).
 

@@ -60,7 +60,7 @@ class PolicyLayer(CacheLayerMixin):
         self.valid = _cat_valid(self.valid, new_valid, self.stored_length(), b, q, key_states.device)
         if self.track:
             self.pos = _cat_positions(self.pos, self.seen, b, q, key_states.device)
-        self.store.append(key_states, value_states)
+        self.store.append(key_states, value_states, kwargs.get("positions"))  # model's position_ids or None
         self.seen += q
         keys, values = self.store.read()
         self._view = (keys.shape[-2], self.valid, self.pos)

@@ -1,15 +1,16 @@
 """``policy=low_rank``: the ``full`` selector over low-rank storage (``kvcompress.storage.low_rank``).
 
-After Palu (Chang et al., arXiv 2407.21118): a low-rank latent cached, reconstructed on read.
+After Palu (Chang et al., arXiv 2407.21118): a low-rank latent of pre-RoPE keys cached, re-rotated on read.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcompress.fields import Bool, Float, Int
+from kvcompress.fields import Bool, Choice, Float, Int
 from kvcompress.policies.full import StoragePreset
-from kvcompress.storage.low_rank import LowRankStorage
+from kvcompress.storage.low_rank import SOURCES, LowRankStorage
+from kvcompress.storage.low_rank_bases import BLOCKS
 
 
 @dataclass
@@ -24,12 +25,22 @@ class LowRankPolicy(StoragePreset):
     rank: int | None = Int(None, low=1, null=True)  # null with energy null: 32
     value_rank: int | None = Int(None, low=1, null=True)
     energy: float | None = Float(None, 0, 1, low_open=True, null=True)
+    allocation: str = Choice("uniform", ("uniform", "error"))
+    keys: str = Choice("pre_rope", tuple(SOURCES))
+    basis: str = Choice("joint", BLOCKS)
+    group_size: int = Int(2, low=1)
+    values: object = None
     residual_length: int = Int(0, low=0)
     int8_coefficients: bool = Bool(False)
     calibration_text: str = "pg_essays"
     calibration_tokens: int = Int(2048, low=1)
     calibration_dir: str | None = None
+    tokenizer: object = None
 
     @property
     def calibration(self) -> dict:
         return self.storage.calibration
+
+    def describe(self) -> dict:
+        own = self.storage.describe()
+        return {**super().describe(), "values": own["values"], "tokenizer": own["tokenizer"]}

@@ -45,6 +45,7 @@ class SlidingWindowPolicy(Policy):
     layer_class = SlidingWindowLayer
     FORMULA = True  # the memory formulas below are this class's own
     evicts = "always"
+    heads_share_tokens = True  # every KV head keeps the same tokens (shared low-rank latents can follow)
     TEST_PARAMS = {"sink_tokens": 2, "window": 12}
     FUZZ = {"sink_tokens": (0, 6), "window": (1, 24)}
 

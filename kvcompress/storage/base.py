@@ -16,6 +16,8 @@ import torch
 from kvcompress.fields import validate
 from kvcompress.spec import ModelSpec, Shape
 
+KINDS = ("keys", "values")
+
 
 @dataclass
 class Storage:
@@ -40,16 +42,17 @@ class Storage:
     def prepare(self, model) -> None:
         """Called once by ``build_cache`` before layers are built (calibration)."""
 
-    def refuses(self, selector) -> str | None:
-        """Why this storage cannot serve ``selector`` (a ``Policy``), or None when the pair works."""
+    def refuses(self, selector, kinds: tuple[str, ...] = KINDS) -> str | None:
+        """Why this storage cannot serve ``selector`` (a ``Policy``) for ``kinds``, or None when it can."""
         return None
 
     def covering(self, n_tokens: int) -> Storage:
         """A copy that stores ``n_tokens`` tokens exactly (no quantization or projection yet)."""
         return self
 
-    def layer(self, layer_idx: int, spec: ModelSpec) -> Store:
-        return self.store_class(self, layer_idx, spec)
+    def layer(self, layer_idx: int, spec: ModelSpec, kinds: tuple[str, ...] = KINDS) -> Store:
+        """The store of one decoder layer, holding ``kinds`` (keys and values, or one of them)."""
+        return self.store_class(self, layer_idx, spec, kinds)
 
     def describe(self) -> dict:
         return {"name": self.name, **dataclasses.asdict(self)}
@@ -59,6 +62,11 @@ class Storage:
         """Bytes one layer holds for ``tokens`` stored tokens when the newest ones are the most recent
         (no eviction inside a residual window); None when not determined by the count alone."""
         return s.kv(tokens)
+
+    def kind_bytes(self, s: Shape, tokens: int, kind: str) -> int | None:
+        """Bytes of one kind (``keys`` or ``values``): half of ``bytes_for`` where both are held alike."""
+        both = self.bytes_for(s, tokens)
+        return None if both is None else both // 2
 
     def fixed_bytes(self, s: Shape, layer_idx: int) -> int:
         """Per-layer constants held whatever the tokens (a low-rank basis)."""
@@ -74,22 +82,25 @@ class Store:
     """One layer's tokens. Keys/values enter and leave as ``(B, H_kv, T, D)`` in the model dtype.
 
     Interface used by selectors: ``append``, ``read``, ``keep`` (an index set, per row and head),
-    ``keep_spans``/``drop_one`` (fast paths, optional), ``flush`` (end of a step), ``tensors``.
+    ``keep_spans``/``drop_one`` (fast paths, optional), ``flush`` (end of a step), ``tensors``. A store may
+    hold one kind only (``kinds``): it then ignores the other in ``append`` and reads it as None.
     """
 
-    def __init__(self, config: Storage, layer_idx: int, spec: ModelSpec):
-        self.config, self.layer_idx, self.spec = config, layer_idx, spec
+    def __init__(self, config: Storage, layer_idx: int, spec: ModelSpec, kinds: tuple[str, ...] = KINDS):
+        self.config, self.layer_idx, self.spec, self.kinds = config, layer_idx, spec, tuple(kinds)
 
     @property
     def length(self) -> int:
         raise NotImplementedError
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store this step's tokens (B, H_kv, q, D) after those already held."""
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        """Store this step's tokens (B, H_kv, q, D) after those already held. ``positions`` (B or 1, q): the
+        absolute positions the model rotated these keys at, or None (consecutive after the last ones)."""
         raise NotImplementedError
 
-    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense keys and values (B, H_kv, T, D) of every stored token, for this step's attention."""
+    def read(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Dense keys and values (B, H_kv, T, D) of every stored token, for this step's attention (None for
+        a kind this store does not hold)."""
         raise NotImplementedError
 
     def keep(self, idx: torch.Tensor) -> None:

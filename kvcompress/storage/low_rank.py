@@ -1,8 +1,9 @@
-"""Low-rank storage: keys and values as coefficients in a calibrated per-head basis, newest tokens exact.
+"""Low-rank storage: keys (pre- or post-RoPE) and values as coefficients in calibrated bases, newest exact.
 
 After Palu (Chang et al., "Palu: Compressing KV-Cache with Low-Rank Projection", arXiv 2407.21118), which
-caches a low-rank latent and reconstructs on read; the basis is the PCA (second-moment eigenbasis) of
-post-RoPE keys and of values collected on calibration text (``kvcompress.calibration``).
+caches a low-rank latent of pre-RoPE keys and reconstructs on read, with per-head, grouped (G-LRD) or joint
+bases; xKV (arXiv 2503.18893) and ShadowKV (arXiv 2410.21465) also project pre-RoPE keys. Bases are the
+eigenbases of calibration moments (``kvcompress.calibration``); values may go to another storage.
 """
 
 from __future__ import annotations
@@ -10,99 +11,73 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
-
-from kvcompress.fields import Bool, Float, Int
+from kvcompress.fields import Bool, Choice, Float, Int
 from kvcompress.spec import ModelSpec, Shape
-from kvcompress.storage.base import Storage
-from kvcompress.storage.buffers import storage_bytes
-from kvcompress.storage.residual import ResidualStore
+from kvcompress.storage import low_rank_bases as lrb
+from kvcompress.storage.base import KINDS, Storage
+from kvcompress.storage.low_rank_config import LowRankChecks
+from kvcompress.storage.low_rank_store import LowRankStore
+from kvcompress.storage.split import SplitStore
 
-
-class LowRankStore(ResidualStore):
-    """Coefficients (B, H_kv, T_c, r) of older tokens (int8 codes plus a scale (B, H_kv, T_c, 1) if asked),
-    the exact residual window, and the layer's bases ``key_basis``/``value_basis`` (H_kv, D, r)."""
-
-    def __init__(self, config, layer_idx, spec, key_basis, value_basis):
-        super().__init__(config, layer_idx, spec)
-        own = torch.contiguous_format  # a copy with its own storage, not a view of the whole calibration
-        self.basis = {
-            "keys": key_basis.clone(memory_format=own),
-            "values": value_basis.clone(memory_format=own),
-        }
-
-    def append(self, keys, values) -> None:
-        if self.basis["keys"].dtype != keys.dtype or self.basis["keys"].device != keys.device:
-            self.basis = {k: b.to(keys.device, keys.dtype) for k, b in self.basis.items()}
-        super().append(keys, values)
-
-    def encode(self, kind, x, valid=None):
-        coef = x @ self.basis[kind]  # (B, H_kv, n, r)
-        if not self.config.int8_coefficients:
-            return (coef,)
-        scale = coef.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(coef.dtype).tiny) / 127
-        return torch.round(coef / scale).to(torch.int8), scale
-
-    def decode(self, kind, parts, out):
-        coef = parts[0] if len(parts) == 1 else parts[0].to(parts[1].dtype) * parts[1]
-        return out.copy_(coef @ self.basis[kind].mT)
-
-    def flush_count(self, residual: int) -> int:
-        return residual - self.config.residual_length
-
-    def fixed_tensors(self):
-        return [self.basis["keys"], self.basis["values"]]
-
-    # -- readable names (tests, stats) ------------------------------------------------------
-    def _part(self, kind: str, i: int):
-        parts = self.encoded[kind]
-        return None if parts is None or len(parts) <= i else parts[i]
-
-    key_coef = property(lambda self: self._part("keys", 0))
-    value_coef = property(lambda self: self._part("values", 0))
-    key_scale = property(lambda self: self._part("keys", 1))
-    value_scale = property(lambda self: self._part("values", 1))
-    key_basis = property(lambda self: self.basis["keys"])
-    value_basis = property(lambda self: self.basis["values"])
-    keys = property(lambda self: self.residual["keys"])
-    values = property(lambda self: self.residual["values"])
-
-    def stats(self) -> dict:
-        cal = self.config.calibration
-        return {
-            **super().stats(),
-            "key_rank": self.basis["keys"].shape[-1],
-            "value_rank": self.basis["values"].shape[-1],
-            "tokens_projected": self.encoded_length,
-            "basis_bytes": storage_bytes(self.fixed_tensors()),
-            "calibration_source": cal["source"],
-            "calibration_s": cal.get("seconds"),
-        }
+SOURCES = {"pre_rope": "keys_pre", "post_rope": "keys_post"}
 
 
 @dataclass
-class LowRankStorage(Storage):
-    """Cache rank-``rank`` coefficients of keys and values; the newest ``residual_length`` tokens stay exact.
+class LowRankStorage(LowRankChecks, Storage):
+    """Cache rank-``rank`` coefficients of keys (and values); the newest ``residual_length`` tokens exact.
 
     Args:
-        rank: basis vectors kept per KV head for keys and values (at most head_dim); or null with ``energy``.
+        rank: components per KV head for keys (a block of g heads keeps ``rank * g``); null with ``energy``.
         value_rank: the values' rank when it differs from ``rank`` (null: ``rank``).
-        energy: instead of ``rank``, keep per layer the fewest components that hold this share of the
-            calibration energy in every KV head (keys and values chosen separately).
+        energy: instead of ``rank``, keep per layer the fewest components holding this share of the
+            calibration energy in every block (keys and values chosen separately).
+        allocation: ``uniform`` (``rank`` in every layer) or ``error`` (the same total spread over layers to
+            minimise the summed relative reconstruction error measured at calibration).
+        keys: ``pre_rope`` (un-rotate, project, rotate back on read) or ``post_rope`` (project rotated keys).
+        basis: ``head`` (one basis per KV head), ``group`` (per ``group_size`` KV heads) or ``joint`` (one
+            over all KV heads of a layer); shared bases need every head to keep the same tokens.
+        group_size: KV heads per basis with ``basis=group`` (must divide the model's KV heads).
+        values: null (values projected here, rank ``value_rank``) or another storage for the values alone,
+            e.g. ``{name: quant, bits: 4}`` or ``dense``.
         residual_length: newest tokens kept exactly, in the model dtype.
-        int8_coefficients: store coefficients as int8 codes with one scale (model dtype) per token and head.
+        int8_coefficients: store coefficients as int8 codes with one scale (model dtype) per token and block.
         calibration_text: ``pg_essays`` (its last ``calibration_tokens`` tokens), a ``.txt``/``.jsonl``
             path, a `datasets` spec, or ``random``.
         calibration_tokens: tokens of calibration text.
         calibration_dir: where calibrations are saved (default: ``<kvcompress cache>/calibration``).
+        tokenizer: for the calibration text: a tokenizer, a model id, a folder or a ``.gguf`` path (null: the
+            model's own, from ``model.name_or_path``).
     """
 
     name = "low_rank"
     FORMULA = True  # bytes_for below is this class's own
-    TEST_PARAMS = [{"rank": 4, "residual_length": 4, "calibration_text": "random", "calibration_tokens": 64}]
+    TEST_PARAMS = [
+        {
+            "rank": 4,
+            "residual_length": 4,
+            "basis": "head",
+            "calibration_text": "random",
+            "calibration_tokens": 64,
+        },
+        {
+            **{"rank": 3, "basis": "joint", "residual_length": 5, "calibration_text": "random"},
+            "calibration_tokens": 64,
+            "values": {
+                "name": "quant",
+                "bits": 4,
+                "group_size": 4,
+                "residual_length": 4,
+                "value_axis": "token",
+            },
+        },
+    ]
     FUZZ = {
         "rank": (1, 16),
         "residual_length": (0, 12),
+        "keys": ["pre_rope", "post_rope"],
+        "basis": list(lrb.BLOCKS),
+        "group_size": [1, 2],
+        "values": [None, None, "dense", {"name": "quant", "bits": 4, "group_size": 4, "residual_length": 3}],
         "calibration_text": "random",
         "calibration_tokens": 64,
     }
@@ -110,83 +85,104 @@ class LowRankStorage(Storage):
     rank: int | None = Int(None, low=1, null=True)  # null with energy null: 32
     value_rank: int | None = Int(None, low=1, null=True)
     energy: float | None = Float(None, 0, 1, low_open=True, null=True)
+    allocation: str = Choice("uniform", ("uniform", "error"))
+    keys: str = Choice("pre_rope", tuple(SOURCES))
+    basis: str = Choice("joint", lrb.BLOCKS)
+    group_size: int = Int(2, low=1)
+    values: object = None
     residual_length: int = Int(0, low=0)
     int8_coefficients: bool = Bool(False)
     calibration_text: str = "pg_essays"
     calibration_tokens: int = Int(2048, low=1)
     calibration_dir: str | None = None
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.rank is not None and self.energy is not None:
-            raise ValueError(
-                f"low_rank: set exactly one of rank={self.rank} and energy={self.energy} (the other null)"
-            )
-        if self.rank is None and self.energy is None:
-            self.rank = 32
-        if self.value_rank is not None and self.rank is None:
-            raise ValueError(f"low_rank.value_rank={self.value_rank} needs rank (not energy)")
-        self._calibration: dict | None = None
-
-    def check(self, spec: ModelSpec) -> None:
-        for field in ("rank", "value_rank"):
-            if (getattr(self, field) or 0) > spec.head_dim:
-                raise ValueError(
-                    f"low_rank.{field}={getattr(self, field)} must be in [1, head_dim={spec.head_dim}]"
-                )
+    tokenizer: object = None
 
     def prepare(self, model) -> None:
-        """Calibrate on ``model`` (or reload a saved calibration of the same model and data)."""
+        """Calibrate on ``model`` (or reload a saved calibration of the same model and text); and its RoPE."""
         from kvcompress.calibration import calibrate
+        from kvcompress.storage.rope import model_ropes
 
+        n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        if self.keys == "pre_rope":
+            try:
+                self._ropes = model_ropes(model, n_layers)
+            except ValueError as err:
+                raise ValueError(
+                    f"low_rank.keys='pre_rope' cannot work here: {err}; use keys=post_rope"
+                ) from err
         self._calibration = calibrate(
-            model, self.calibration_text, self.calibration_tokens, self.calibration_dir
+            model, self.calibration_text, self.calibration_tokens, self.calibration_dir, self.tokenizer
         )
-
-    @property
-    def calibration(self) -> dict:
-        if self._calibration is None:
-            raise RuntimeError("low_rank is not calibrated: build it with build_cache(policy, model)")
-        return self._calibration
+        if self.values_storage is not None:
+            self.values_storage.prepare(model)
 
     def covering(self, n_tokens: int) -> LowRankStorage:
-        out = dataclasses.replace(self, residual_length=max(self.residual_length, n_tokens))
-        out._calibration = self._calibration
+        values = self.values_storage and self.values_storage.covering(n_tokens).describe()
+        out = dataclasses.replace(self, residual_length=max(self.residual_length, n_tokens), values=values)
+        out._calibration, out._ropes = self._calibration, self._ropes
         return out
 
-    def ranks(self, layer_idx: int) -> tuple[int, int]:
-        """(key rank, value rank) of a layer: ``rank``, or the fewest components reaching ``energy``."""
-        if self.rank is not None:
-            return self.rank, self.value_rank or self.rank
-        from kvcompress.calibration import rank_for_energy
+    def blocks(self, spec: ModelSpec) -> int:
+        """KV heads per basis (g)."""
+        return lrb.heads_per_block(self.basis, self.group_size, spec.num_kv_heads)
 
-        cal = self.calibration
-        return tuple(rank_for_energy(cal[f"{k}_energy"][layer_idx], self.energy) for k in ("key", "value"))
+    def layer_bases(self, layer_idx: int, spec: ModelSpec, kinds) -> dict:
+        """Truncated bases (G, g * D, r) of ``kinds`` for one layer."""
+        calibration = self.calibration  # refuses an uncalibrated storage
+        g, out = self.blocks(spec), {}
+        for kind in kinds:
+            source = SOURCES[self.keys] if kind == "keys" else "values"
+            basis, eig = lrb.bases(calibration, source, g, spec.head_dim)
+            rank = self.rank if kind == "keys" else (self.value_rank or self.rank)
+            ranks = lrb.layer_ranks(eig, g, rank, self.energy, self.allocation)
+            out[kind] = basis[layer_idx, :, :, : ranks[layer_idx]]
+        return out
 
-    def layer(self, layer_idx: int, spec: ModelSpec) -> LowRankStore:
-        rk, rv = self.ranks(layer_idx)
-        kb = self.calibration["key_basis"][layer_idx, :, :, :rk]  # (H_kv, D, rk)
-        vb = self.calibration["value_basis"][layer_idx, :, :, :rv]
-        return LowRankStore(self, layer_idx, spec, kb, vb)
+    def layer(self, layer_idx: int, spec: ModelSpec, kinds=KINDS):
+        own = tuple(k for k in kinds if k == "keys" or self.values_storage is None)
+        bases = self.layer_bases(layer_idx, spec, own)
+        rope = self._ropes[layer_idx] if self.keys == "pre_rope" else None
+        store = LowRankStore(self, layer_idx, spec, own, bases, rope)
+        if own == tuple(kinds):
+            return store
+        values = self.values_storage.layer(layer_idx, spec, ("values",))
+        return SplitStore(self, layer_idx, spec, store, values)
+
+    # -- memory formula ---------------------------------------------------------------------
+    def kind_bytes(self, s: Shape, tokens: int, kind: str) -> int | None:
+        """Keys: the newest ``min(T, R)`` exact, the others as ``rank`` coefficients per token and head in the
+        model dtype (or int8 codes plus one model-dtype scale per token and block), plus an int32 position
+        per token and head for pre-RoPE keys. Values: the same with ``value_rank``, or their storage's."""
+        if kind == "values" and self.values_storage is not None:
+            return self.values_storage.kind_bytes(s, tokens, "values")
+        if self.energy is not None or self.allocation != "uniform":
+            return None  # ranks come from calibration data, not from the parameters
+        rank = self.rank if kind == "keys" else (self.value_rank or self.rank)
+        exact = min(tokens, self.residual_length)
+        coded = (
+            s.batch * s.kv_heads * (tokens - exact) * rank * (1 if self.int8_coefficients else s.dtype_bytes)
+        )
+        blocks = s.kv_heads // self.blocks_of(s)
+        scales = s.batch * blocks * (tokens - exact) * s.dtype_bytes if self.int8_coefficients else 0
+        positions = s.per_token(4, tokens) if kind == "keys" and self.keys == "pre_rope" else 0
+        return s.kv(exact) // 2 + coded + scales + positions
 
     def bytes_for(self, s: Shape, tokens: int) -> int | None:
-        """The newest ``min(T, R)`` tokens exact, the others as key/value coefficients (r_k + r_v per token
-        and head) in the model dtype, or int8 codes plus one model-dtype scale per token, head and tensor."""
-        if self.rank is None:
-            return None  # ranks come from calibration data, not from the parameters
-        ranks = self.rank + (self.value_rank or self.rank)
-        exact = min(tokens, self.residual_length)
-        rows = s.batch * s.kv_heads * (tokens - exact)
-        coef = rows * ranks * (1 if self.int8_coefficients else s.dtype_bytes)
-        scales = 2 * rows * s.dtype_bytes if self.int8_coefficients else 0
-        return s.kv(exact) + coef + scales
+        parts = [self.kind_bytes(s, tokens, kind) for kind in KINDS]
+        return None if None in parts else sum(parts)
 
     def fixed_bytes(self, s: Shape, layer_idx: int) -> int:
-        """The layer's bases (H_kv, D, r_k + r_v) in the model dtype."""
-        if self.rank is None:
+        """The layer's float32 bases (G, g * D, r * g) per projected kind, plus the values storage's own."""
+        if self.energy is not None or self.allocation != "uniform":
             return 0
-        return s.kv_heads * s.head_dim * (self.rank + (self.value_rank or self.rank)) * s.dtype_bytes
+        g = self.blocks_of(s)
+        ranks = [self.rank] + ([] if self.values_storage else [self.value_rank or self.rank])
+        own = sum(s.kv_heads * s.head_dim * r * g * 4 for r in ranks)
+        return own + (self.values_storage.fixed_bytes(s, layer_idx) if self.values_storage else 0)
+
+    def blocks_of(self, s: Shape) -> int:
+        return lrb.heads_per_block(self.basis, self.group_size, s.kv_heads)
 
     @property
     def count_exact(self) -> bool:
-        return self.residual_length == 0
+        return self.residual_length == 0 and (self.values_storage is None or self.values_storage.count_exact)

@@ -25,24 +25,24 @@ class QuantStore(ResidualStore):
     """Quantized tokens (packed codes, scales, zeros) then the residual window (B, H_kv, R..R+G-1, D).
     Attention reads a dequantized copy made for the step: no float copy of a quantized token outlives it."""
 
-    def __init__(self, config, layer_idx, spec):
-        super().__init__(config, layer_idx, spec)
+    def __init__(self, config, layer_idx, spec, kinds=KINDS):
+        super().__init__(config, layer_idx, spec, kinds)
         self.scale_dtype = None
 
     def axis(self, kind: str) -> str:
         return self.config.key_axis if kind == "keys" else self.config.value_axis
 
-    def append(self, keys, values) -> None:
+    def append(self, keys, values, positions=None) -> None:
         if self.scale_dtype is None:
             chosen = SCALE_DTYPES[self.config.scale_dtype]
             self.scale_dtype = chosen or (torch.float16 if keys.dtype == torch.float32 else keys.dtype)
-        super().append(keys, values)
+        super().append(keys, values, positions)
 
-    def encode(self, kind, x, valid=None):
+    def encode(self, kind, x, valid=None, positions=None):
         c = self.config
         return quantizer.quantize(x, c.bits, c.group_size, self.axis(kind), self.scale_dtype, valid)
 
-    def decode(self, kind, parts, out):
+    def decode(self, kind, parts, out, positions=None):
         return quantizer.dequantize(parts, self.config.bits, self.config.group_size, self.axis(kind), out)
 
     def flush_count(self, residual: int) -> int:
@@ -51,19 +51,20 @@ class QuantStore(ResidualStore):
 
     def keep(self, idx) -> None:
         te = self.encoded_length
-        if te == 0 or "channel" not in (self.config.key_axis, self.config.value_axis):
+        if te == 0 or "channel" not in (self.axis(kind) for kind in self.kinds):
             return super().keep(idx)
-        b, h = self.residual["keys"].shape[:2]
+        b, h = self.residual[self.kinds[0]].shape[:2]
         idx = idx.expand(b, h, -1)
         ar = torch.arange(te, device=idx.device)
         if idx.shape[-1] >= te and bool((idx[..., :te] == ar).all()):  # every quantized token stays
-            for kind in KINDS:
+            for kind in self.kinds:
                 self.residual[kind] = gather_tokens(self.residual[kind], idx[..., te:] - te)
             return
         # a per-channel group lost a token: re-quantize from the dequantized tokens (at the next flush)
         dense = self.read()
         for kind, x in zip(KINDS, dense, strict=True):
-            self.encoded[kind], self.residual[kind] = None, gather_tokens(x, idx)
+            if kind in self.kinds:
+                self.encoded[kind], self.residual[kind] = None, gather_tokens(x, idx)
 
     # -- readable names (tests, stats) ------------------------------------------------------
     @property
@@ -144,8 +145,8 @@ class QuantStorage(Storage):
         if spec.head_dim % (8 // self.bits):
             raise ValueError(f"quant.bits={self.bits}: head_dim={spec.head_dim} cannot be packed into bytes")
 
-    def refuses(self, selector) -> str | None:
-        axes = [f"{k}_axis" for k in ("key", "value") if getattr(self, f"{k}_axis") == "channel"]
+    def refuses(self, selector, kinds=KINDS) -> str | None:
+        axes = [f"{k[:-1]}_axis" for k in kinds if getattr(self, f"{k[:-1]}_axis") == "channel"]
         if axes and selector.evicts == "always":
             return (
                 f"{selector.name} evicts tokens at every decode step, but quant {'/'.join(axes)}='channel' "

@@ -2,9 +2,14 @@
 
 Per row and KV head the stored tokens are ``[encoded (Te) | residual (Tr)]`` in sequence order. New tokens
 enter the residual; ``flush`` (end of a step) encodes the oldest ones that left the window. Subclasses
-give the codec: ``encode(kind, x)`` turns ``x`` (B, H_kv, n, D) into a tuple of tensors whose dim 2 is the
-token axis, ``decode(kind, parts, out)`` writes the reconstruction, ``flush_count`` says how many residual
-tokens to encode now.
+give the codec: ``encode(kind, x, valid, positions)`` turns ``x`` (B, H_kv, n, D) into a tuple of tensors
+whose dim 2 is the token axis, ``decode(kind, parts, out, positions)`` writes the reconstruction,
+``flush_count`` says how many residual tokens to encode now. A part's dim 1 is H_kv, or fewer when one
+latent serves a block of heads (a joint low-rank basis); such blocks must then keep the same tokens.
+
+A codec that needs each token's absolute position (pre-RoPE keys) sets ``needs_positions``: the store then
+keeps ``positions`` (B, H_kv, T) int32 aligned with the stored tokens (the model's ``position_ids``, or
+consecutive positions when none are given), moved with every eviction and counted in ``tensors()``.
 
 Eviction (``keep``) with a per-token codec is exact: encoded rows are gathered, never re-encoded. Rows and
 heads may keep different numbers of encoded tokens; all then keep the largest such count, so in the others
@@ -15,15 +20,28 @@ from __future__ import annotations
 
 import torch
 
-from kvcompress.storage.base import Store
+from kvcompress.storage.base import KINDS, Store
 from kvcompress.storage.buffers import gather_tokens
 
-KINDS = ("keys", "values")
+
+def shared_heads(idx: torch.Tensor, heads: int) -> torch.Tensor:
+    """``idx`` (B, 1 or H, k) as (B, heads, k); each block of ``H // heads`` heads keeps the same tokens."""
+    b, h, k = idx.shape
+    if h == 1 or h == heads:
+        return idx.expand(b, heads, k)
+    blocks = idx.reshape(b, heads, h // heads, k)
+    if not bool((blocks == blocks[:, :, :1]).all()):
+        raise ValueError(
+            f"a latent shared by {h // heads} KV heads (low_rank basis=group or joint) cannot keep different "
+            "tokens in each head, but the selector evicted per head: use basis=head with this selector"
+        )
+    return blocks[:, :, 0]
 
 
 def _gather(part: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Rows ``idx`` (B, H, k) of ``part`` (B, H, T, ...) along dim 2, as a new tensor."""
+    """Rows ``idx`` (B, H, k) of ``part`` (B, H or fewer, T, ...) along dim 2, as a new tensor."""
     shape = part.shape
+    idx = shared_heads(idx, shape[1])
     flat = part.reshape(*shape[:3], -1)
     return gather_tokens(flat, idx).view(*shape[:2], idx.shape[-1], *shape[3:])
 
@@ -43,20 +61,31 @@ def _encoded_kept(idx: torch.Tensor, te: int) -> int:
     return int(per_row[0])
 
 
-class ResidualStore(Store):
-    """``encoded[kind]``: tuple of tensors (B, H_kv, Te, ...) or None; ``residual[kind]`` (B, H_kv, Tr, D)."""
+def _rebuild(like: tuple, items) -> tuple:
+    """A tuple of ``items`` of the same type as ``like`` (a named tuple stays one)."""
+    return type(like)(*items) if hasattr(like, "_fields") else tuple(items)
 
-    def __init__(self, config, layer_idx, spec):
-        super().__init__(config, layer_idx, spec)
+
+class ResidualStore(Store):
+    """``encoded[kind]``: tuple of tensors (B, H_kv or fewer, Te, ...) or None; ``residual[kind]``
+    (B, H_kv, Tr, D); ``positions`` (B, H_kv, Te + Tr) int32 when the codec ``needs_positions``."""
+
+    needs_positions = False
+
+    def __init__(self, config, layer_idx, spec, kinds=KINDS):
+        super().__init__(config, layer_idx, spec, kinds)
         self.encoded = dict.fromkeys(KINDS)
         self.residual = dict.fromkeys(KINDS)
+        self.positions: torch.Tensor | None = None
+        self.appended = 0  # tokens appended so far: the positions used when the model gives none
 
     # -- codec (subclasses) -----------------------------------------------------------------
-    def encode(self, kind: str, x: torch.Tensor, valid: torch.Tensor | None = None) -> tuple:
-        """Encode ``x`` (B, H_kv, n, D); ``valid`` (B, h, n) marks padding tokens (False), or None."""
+    def encode(self, kind: str, x: torch.Tensor, valid=None, positions=None) -> tuple:
+        """Encode ``x`` (B, H_kv, n, D); ``valid`` (B, h, n) marks padding tokens (False), or None;
+        ``positions`` (B, H_kv, n) when ``needs_positions``."""
         raise NotImplementedError
 
-    def decode(self, kind: str, parts: tuple, out: torch.Tensor) -> torch.Tensor:
+    def decode(self, kind: str, parts: tuple, out: torch.Tensor, positions=None) -> torch.Tensor:
         raise NotImplementedError
 
     def flush_count(self, residual: int) -> int:
@@ -65,25 +94,35 @@ class ResidualStore(Store):
     # -- the Store interface ----------------------------------------------------------------
     @property
     def encoded_length(self) -> int:
-        parts = self.encoded["keys"]
+        parts = self.encoded[self.kinds[0]]
         return 0 if parts is None else parts[0].shape[2]
 
     @property
     def residual_length(self) -> int:
-        r = self.residual["keys"]
+        r = self.residual[self.kinds[0]]
         return 0 if r is None else r.shape[2]
 
     @property
     def length(self) -> int:
         return self.encoded_length + self.residual_length
 
-    def append(self, keys, values) -> None:
+    def append(self, keys, values, positions=None) -> None:
         for kind, x in zip(KINDS, (keys, values), strict=True):
-            old = self.residual[kind]
-            self.residual[kind] = x if old is None else torch.cat([old, x], dim=2)
+            if kind in self.kinds:
+                old = self.residual[kind]
+                self.residual[kind] = x if old is None else torch.cat([old, x], dim=2)
+        b, h, q, _ = keys.shape
+        if self.needs_positions:
+            if positions is None:
+                positions = torch.arange(self.appended, self.appended + q, device=keys.device)[None]
+            new = positions.to(device=keys.device, dtype=torch.int32).view(-1, 1, q).expand(b, h, q)
+            self.positions = (
+                new.contiguous() if self.positions is None else torch.cat([self.positions, new], -1)
+            )
+        self.appended += q
 
     def read(self):
-        return tuple(self._read(kind) for kind in KINDS)
+        return tuple(self._read(kind) if kind in self.kinds else None for kind in KINDS)
 
     def _read(self, kind: str) -> torch.Tensor:
         parts, res = self.encoded[kind], self.residual[kind]
@@ -92,9 +131,12 @@ class ResidualStore(Store):
         b, h, tr, d = res.shape
         te = parts[0].shape[2]
         out = torch.empty(b, h, te + tr, d, dtype=res.dtype, device=res.device)
-        self.decode(kind, parts, out[:, :, :te])
+        self.decode(kind, parts, out[:, :, :te], self._positions(0, te))
         out[:, :, te:] = res
         return out
+
+    def _positions(self, start: int, stop: int) -> torch.Tensor | None:
+        return None if self.positions is None else self.positions[..., start:stop]
 
     def flush(self, valid=None) -> None:
         n = self.flush_count(self.residual_length)
@@ -102,30 +144,28 @@ class ResidualStore(Store):
             return
         te = self.encoded_length
         valid = None if valid is None else valid[..., te : te + n]
-        for kind in KINDS:
+        for kind in self.kinds:
             res = self.residual[kind]
-            self._extend(kind, self.encode(kind, res[:, :, :n], valid))
+            self._extend(kind, self.encode(kind, res[:, :, :n], valid, self._positions(te, te + n)))
             self.residual[kind] = res[:, :, n:].clone()  # a copy: the encoded tokens' floats are freed
 
     def _extend(self, kind: str, new: tuple) -> None:
         old = self.encoded[kind]
-        joined = (
-            new if old is None else tuple(torch.cat([a, b], dim=2) for a, b in zip(old, new, strict=True))
-        )
-        self.encoded[kind] = type(new)(*joined) if hasattr(new, "_fields") else joined
+        joined = new if old is None else [torch.cat([a, b], dim=2) for a, b in zip(old, new, strict=True)]
+        self.encoded[kind] = _rebuild(new, joined)
 
     def keep(self, idx) -> None:
-        b, h = self.residual["keys"].shape[:2]
+        first = self.residual[self.kinds[0]]
+        b, h = first.shape[:2]
         idx = idx.expand(b, h, -1)
         te = self.encoded_length
         n_enc = _encoded_kept(idx, te)
         head, tail = idx[..., :n_enc], idx[..., n_enc:] - te  # tail: residual positions only
-        for kind in KINDS:
+        if self.positions is not None:
+            self.positions = self.positions.gather(-1, idx)
+        for kind in self.kinds:
             res = self.residual[kind]
-            if n_enc:
-                self.encoded[kind] = self._take_encoded(kind, head, te, res)
-            else:
-                self.encoded[kind] = None
+            self.encoded[kind] = self._take_encoded(kind, head, te, res) if n_enc else None
             self.residual[kind] = gather_tokens(res, tail)
 
     def _take_encoded(self, kind: str, head: torch.Tensor, te: int, res: torch.Tensor) -> tuple:
@@ -134,26 +174,31 @@ class ResidualStore(Store):
         old = [_gather(p, head.clamp(max=te - 1)) for p in parts]
         late = head >= te
         if not bool(late.any()):
-            return type(parts)(*old) if hasattr(parts, "_fields") else tuple(old)
-        fresh = self.encode(kind, gather_tokens(res, (head - te).clamp(min=0)))
+            return _rebuild(parts, old)
+        pos = self._positions(0, head.shape[-1])  # already the kept tokens' positions
+        fresh = self.encode(kind, gather_tokens(res, (head - te).clamp(min=0)), None, pos)
         mixed = []
         for o, f in zip(old, fresh, strict=True):
-            m = late.view(*late.shape, *([1] * (o.dim() - 3)))
-            mixed.append(torch.where(m, f, o))
-        return type(parts)(*mixed) if hasattr(parts, "_fields") else tuple(mixed)
+            m = shared_heads(late, o.shape[1])
+            mixed.append(torch.where(m.view(*m.shape, *([1] * (o.dim() - 3))), f, o))
+        return _rebuild(parts, mixed)
 
     def reorder(self, beam_idx) -> None:
-        for kind in KINDS:
+        for kind in self.kinds:
             self.residual[kind] = self.residual[kind].index_select(0, beam_idx.to(self.residual[kind].device))
             parts = self.encoded[kind]
             if parts is not None:
-                moved = [p.index_select(0, beam_idx.to(p.device)) for p in parts]
-                self.encoded[kind] = type(parts)(*moved) if hasattr(parts, "_fields") else tuple(moved)
+                self.encoded[kind] = _rebuild(
+                    parts, [p.index_select(0, beam_idx.to(p.device)) for p in parts]
+                )
+        if self.positions is not None:
+            self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
 
     def reset(self) -> None:
         self.encoded = dict.fromkeys(KINDS)
         self.residual = dict.fromkeys(KINDS)
+        self.positions, self.appended = None, 0
 
     def tensors(self):
-        parts = [t for kind in KINDS if self.encoded[kind] is not None for t in self.encoded[kind]]
-        return [*parts, *self.residual.values(), *self.fixed_tensors()]
+        parts = [t for kind in self.kinds if self.encoded[kind] is not None for t in self.encoded[kind]]
+        return [*parts, *self.residual.values(), self.positions, *self.fixed_tensors()]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from kvcompress.cache import build_cache
+from kvcompress.calibration_text import cache_spans, check_disjoint
 from kvcompress.data import load_text
 from kvcompress.tasks.grid import run_grid
 from kvcompress.tasks.retrieval import Case
@@ -55,7 +57,12 @@ def make_case(tokenizer, cfg, length: int, depth: float) -> Case:
 
 
 def run(model, tokenizer, policy, cfg, out_dir=None) -> dict:
-    """Accuracy over ``cfg.lengths`` x ``cfg.depths``; per-case records, table and heat map in ``out_dir``."""
-    return run_grid(
+    """Accuracy over ``cfg.lengths`` x ``cfg.depths``; per-case records, table and heat map in ``out_dir``.
+    Refused when the policy calibrated on the haystack text the cases read (its first ``8 * length``
+    characters at most)."""
+    spans = cache_spans(build_cache(policy, model))  # calibrates a low-rank policy (or reloads it)
+    check_disjoint(spans, cfg.text, (0, 8 * max(cfg.lengths)), f"task=niah (lengths={list(cfg.lengths)})")
+    metrics = run_grid(
         model, tokenizer, policy, cfg, lambda n, d: make_case(tokenizer, cfg, n, d), out_dir, name="niah"
     )
+    return {**metrics, "calibration_ranges": spans}

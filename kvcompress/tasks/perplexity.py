@@ -6,14 +6,16 @@ policy that never compressed is marked ``compressed: false`` with a ``warning`` 
 
 from __future__ import annotations
 
+import functools
 import time
 
 from kvcompress.cache import build_cache
+from kvcompress.calibration_text import cache_spans, check_disjoint, text_span
 from kvcompress.data import load_text
 from kvcompress.guard import check_fits
 from kvcompress.metrics import decode_perplexity, measure_speed, peak_rss_bytes
 from kvcompress.metrics.compression import compression_check, full_cache_bytes, tokens_evicted
-from kvcompress.metrics.memory import peak_device_bytes, read_summary
+from kvcompress.metrics.memory import fixed_bytes, peak_device_bytes, read_summary
 
 
 def text_tokens(tokenizer, text_name: str, max_tokens: int, offset_tokens: int = 0, max_positions: int = 0):
@@ -43,11 +45,14 @@ def _never_compressed_hint(cfg) -> str:
     )
 
 
-def _score(model, ids, policy, cfg) -> dict:
-    """Decode-mode (or prefix) perplexity, bytes vs ``full`` on the same tokens, and did it compress."""
+def _score(model, ids, policy, cfg, chars) -> dict:
+    """Decode-mode (or prefix) perplexity, bytes vs ``full`` on the same tokens, and did it compress.
+    ``chars()``: the characters of ``cfg.text`` that ``ids`` cover (refused if a calibration read them)."""
     start = time.perf_counter()
     cache = build_cache(policy, model)  # includes a calibrating policy's calibration (or its reload)
     build_s = time.perf_counter() - start
+    spans = cache_spans(cache)
+    check_disjoint(spans, cfg.text, chars, f"task=perplexity (max_tokens={cfg.max_tokens})")
     metrics = decode_perplexity(
         model,
         ids,
@@ -57,13 +62,17 @@ def _score(model, ids, policy, cfg) -> dict:
         prefix_tokens=cfg.get("prefix_tokens"),
     )
     metrics["build_cache_s"] = build_s
+    metrics["calibration_ranges"] = spans
     metrics["cache_bytes"] = cache.memory_bytes()
+    metrics["fixed_bytes"] = fixed_bytes(cache)  # per-model constants (low-rank bases), not per token
     metrics["tokens_stored_mean"] = sum(s["tokens_stored"] for s in cache.stats()) / len(cache.layers)
     metrics.update(read_summary(cache.stats()))  # block_sparse: bytes read per decode step
     metrics["full_cache_bytes"] = full_cache_bytes(model, ids.shape[1] - 1)  # the tokens the cache consumed
     metrics["cache_ratio"] = metrics["cache_bytes"] / metrics["full_cache_bytes"]
+    per_token = metrics["cache_bytes"] - metrics["fixed_bytes"]
+    metrics["per_token_cache_ratio"] = per_token / metrics["full_cache_bytes"]  # bases left out
     check = compression_check(
-        policy.name, tokens_evicted(cache), metrics["cache_bytes"], metrics["full_cache_bytes"],
+        policy.name, tokens_evicted(cache), per_token, metrics["full_cache_bytes"],
         _never_compressed_hint(cfg),
     )  # fmt: skip
     return metrics | check
@@ -73,9 +82,11 @@ def run(model, tokenizer, policy, cfg) -> dict:
     """Perplexity (decode mode, or prefix perplexity with ``prefix_tokens``), bytes vs ``full`` on the same
     tokens, whether the policy compressed, prefill/decode speed."""
     spec_max = getattr(model.config, "max_position_embeddings", 0)
-    ids = text_tokens(tokenizer, cfg.text, cfg.max_tokens, cfg.get("offset_tokens", 0), spec_max)
+    offset = cfg.get("offset_tokens", 0)
+    ids = text_tokens(tokenizer, cfg.text, cfg.max_tokens, offset, spec_max)
     check_fits(model, cfg.max_tokens, chunk=max(cfg.chunk_size, cfg.get("prefix_tokens") or 0))
-    metrics = _score(model, ids, policy, cfg)
+    span = functools.partial(text_span, tokenizer, load_text(cfg.text), offset, offset + cfg.max_tokens)
+    metrics = _score(model, ids, policy, cfg, span)
     if cfg.get("speed", True):
         prompt = ids[:, : cfg.get("prefill_tokens") or cfg.max_tokens]
         metrics.update(

@@ -119,3 +119,21 @@ def test_policy_args_are_split_from_hf_args_and_validated():
 def test_bad_chunk_size_is_rejected(tiny_checkpoint):
     with pytest.raises(ValueError, match="chunk_size=0"):
         KVCompressLM(pretrained=str(tiny_checkpoint), device="cpu", chunk_size=0)
+
+
+def test_documents_that_read_calibration_text_are_refused(fake_cache, tiny_checkpoint, tmp_path):
+    """low_rank calibrates on the essays' last 64 tokens (the last fake essay): its document is refused."""
+    from kvcompress.eval import task_manager
+
+    args = {"pretrained": str(tiny_checkpoint), "device": "cpu", "max_length": 96, "policy": "low_rank"}
+    args |= {"rank": 4, "calibration_tokens": 64, "calibration_dir": str(tmp_path)}
+    lm = KVCompressLM(**args)
+    (span,) = lm.calibration_ranges
+    assert span["text"] == "pg_essays" and span["tokens"][1] - span["tokens"][0] == 64
+    with pytest.raises(ValueError, match="task 'kvc_essays_ppl' document 'essay3' reads characters"):
+        lm_eval.simple_evaluate(
+            model=lm,
+            tasks=["kvc_essays_ppl"],
+            task_manager=task_manager(["kvc_essays_ppl"]),
+            bootstrap_iters=0,
+        )

@@ -46,3 +46,16 @@ def test_task_dir_writes_yamls_with_absolute_data_paths_once(fake_cache):
     assert [json.loads(x)["title"] for x in lines] == ["essay0", "essay1", "essay2", "essay3"]
     stamp = (data / "kvc_niah.jsonl").stat().st_mtime_ns
     assert task_dir() == root and (data / "kvc_niah.jsonl").stat().st_mtime_ns == stamp  # built once
+
+
+def test_documents_record_the_characters_they_read(fake_cache):
+    from kvcompress.data import load_text
+
+    body = load_text("pg_essays")
+    for doc in essay_documents():
+        a, b = doc["span"]
+        assert doc["text"] == "pg_essays" and body[a:b] == doc["page"]
+    for doc in niah_documents(lengths=(100,), depths=(0.5,), repeats=3, seed=1):
+        a, b = doc["span"]
+        hay = doc["context"].replace(NEEDLE.format(doc["answer"]) + " ", "").split()
+        assert body[a:b].split() == hay

@@ -8,7 +8,10 @@ from helpers import stream_logits
 from transformers import DynamicCache
 
 from kvcompress import build_cache, calibration
+from kvcompress.cache import model_spec
+from kvcompress.memory_model import predicted_bytes
 from kvcompress.policies import FullPolicy, LowRankPolicy, SchedulePolicy
+from kvcompress.storage.low_rank_bases import bases
 
 HEAD_DIM = 16  # tiny models: hidden 64, 4 heads
 
@@ -42,45 +45,72 @@ def _keys_seen(cache, model, tokens, chunk=5):
     return layer, torch.cat([k for k, _ in seen], -2), torch.cat([v for _, v in seen], -2)
 
 
-def test_stores_coefficients_and_exact_residual(llama, tokens, tmp_path):
-    cache = build_cache(policy(tmp_path, rank=3, value_rank=5, residual_length=6), llama)
-    layer, keys, values = _keys_seen(cache, llama, tokens)  # (1, H_kv, 48, D)
-    assert layer.store.key_coef.shape == (1, 2, 42, 3) and layer.store.value_coef.shape == (1, 2, 42, 5)
+@pytest.mark.parametrize("keys", ["pre_rope", "post_rope"])
+def test_stores_coefficients_and_exact_residual(keys, llama, tokens, tmp_path):
+    p = policy(tmp_path, rank=3, value_rank=5, residual_length=6, basis="head", keys=keys)
+    cache = build_cache(p, llama)
+    layer, seen, values = _keys_seen(cache, llama, tokens)  # (1, H_kv, 48, D)
+    store = layer.store
+    assert store.key_coef.shape == (1, 2, 42, 3) and store.value_coef.shape == (1, 2, 42, 5)
     assert layer.keys.shape == (1, 2, 6, HEAD_DIM)
-    torch.testing.assert_close(layer.keys, keys[:, :, -6:])  # newest tokens exact
-    torch.testing.assert_close(layer.store.key_coef, keys[:, :, :42] @ layer.store.key_basis)
-    torch.testing.assert_close(layer.store.value_coef, values[:, :, :42] @ layer.store.value_basis)
+    torch.testing.assert_close(layer.keys, seen[:, :, -6:])  # newest tokens exact
+    projected = seen[:, :, :42]
+    if keys == "pre_rope":  # the latent of the un-rotated keys, at their own positions
+        projected = store.rope.unrotate(projected, torch.arange(42).expand(1, 2, 42))
+    torch.testing.assert_close(store.key_coef, projected @ store.key_basis, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(store.value_coef, values[:, :, :42] @ store.value_basis)
     eye = torch.eye(3).expand(2, 3, 3)
-    torch.testing.assert_close(
-        layer.store.key_basis.mT @ layer.store.key_basis, eye, atol=1e-5, rtol=0
-    )  # orthonormal
-    # bytes: coefficients + exact residual + the layer's two bases (H_kv, D, r), float32
-    expected = 4 * (2 * 42 * (3 + 5) + 2 * 2 * 6 * HEAD_DIM + 2 * HEAD_DIM * (3 + 5))
+    torch.testing.assert_close(store.key_basis.mT @ store.key_basis, eye, atol=1e-5, rtol=0)  # orthonormal
+    # coefficients + exact residual + int32 positions (pre-RoPE) + the layer's float32 bases (H_kv, D, r)
+    positions = 4 * 2 * 48 if keys == "pre_rope" else 0
+    bases = 4 * 2 * HEAD_DIM * (3 + 5)
+    expected = 4 * (2 * 42 * (3 + 5) + 2 * 2 * 6 * HEAD_DIM) + positions + bases
     assert layer.memory_bytes() == expected
-    assert layer.store.key_coef.untyped_storage().nbytes() == layer.store.key_coef.numel() * 4
+    assert store.key_coef.untyped_storage().nbytes() == store.key_coef.numel() * 4
+    stats = layer.stats()
+    assert stats["basis_bytes"] == bases and stats["position_bytes"] == positions
+    assert p.storage.bytes_for(_shape(48), 48) + p.storage.fixed_bytes(_shape(48), 0) == expected
 
 
-def test_reconstruction_error_falls_with_rank(llama, tokens, tmp_path):
+def _shape(tokens, batch=1, dtype_bytes=4):
+    from kvcompress.spec import Shape
+
+    return Shape(batch, 2, 4, HEAD_DIM, dtype_bytes, tokens, 0)
+
+
+@pytest.mark.parametrize("basis", ["head", "group", "joint"])
+@pytest.mark.parametrize("keys", ["pre_rope", "post_rope"])
+def test_reconstruction_error_falls_with_rank(keys, basis, llama, tokens, tmp_path):
     errors = []
     for rank in (2, 4, 8, 12, 16):
-        cache = build_cache(policy(tmp_path, rank=rank), llama)
-        layer, keys, _ = _keys_seen(cache, llama, tokens)
-        recon = layer.store.key_coef @ layer.store.key_basis.mT
-        errors.append(float((recon - keys).norm() / keys.norm()))
+        p = policy(tmp_path, rank=rank, keys=keys, basis=basis, group_size=2, residual_length=0)
+        cache = build_cache(p, llama)
+        layer, seen, _ = _keys_seen(cache, llama, tokens)
+        recon = layer.store.read()[0]  # decoded (and re-rotated) keys
+        errors.append(float((recon - seen).norm() / seen.norm()))
     assert all(a > b for a, b in zip(errors, errors[1:], strict=False)) and errors[-1] < 1e-5
+
+
+def test_joint_basis_holds_one_latent_per_token(llama, tokens, tmp_path):
+    cache = build_cache(policy(tmp_path, rank=3, basis="joint"), llama)
+    layer, _, _ = _keys_seen(cache, llama, tokens)
+    assert layer.store.key_coef.shape == (1, 1, 48, 6)  # rank 3 per KV head: 6 components for 2 heads
+    assert layer.store.key_basis.shape == (1, 2 * HEAD_DIM, 6)
+    assert layer.stats()["key_rank"] == 3 and layer.stats()["key_components"] == 6
 
 
 def test_calibration_is_saved_and_reused(llama, tmp_path):
     calibration._MEMO.clear()
     first = build_cache(policy(tmp_path, rank=4), llama).policy.calibration
-    files = list(tmp_path.glob("kv-basis-*.pt"))
+    files = list(tmp_path.glob("kv-moments-*.pt"))
     assert first["source"] == "computed" and len(files) == 1 and first["seconds"] > 0
     assert build_cache(policy(tmp_path, rank=8), llama).policy.calibration["source"] == "memory"
     calibration._MEMO.clear()
     again = build_cache(policy(tmp_path, rank=8), llama).policy.calibration  # another rank: same file
-    assert again["source"] == "disk" and torch.equal(again["key_basis"], first["key_basis"])
+    assert again["source"] == "disk" and torch.equal(again["keys_pre"], first["keys_pre"])
+    assert again["range"] == {"text": "random", "tokens": [0, 64], "chars": None}
     build_cache(policy(tmp_path, rank=4, calibration_tokens=32), llama)  # other data: another file
-    assert len(list(tmp_path.glob("kv-basis-*.pt"))) == 2 and not list(tmp_path.glob(".*tmp"))
+    assert len(list(tmp_path.glob("kv-moments-*.pt"))) == 2 and not list(tmp_path.glob(".*tmp"))
 
 
 def test_calibration_depends_on_the_weights(tmp_path):
@@ -92,15 +122,29 @@ def test_calibration_depends_on_the_weights(tmp_path):
     assert calibration.model_fingerprint(a) != calibration.model_fingerprint(b)
 
 
-def test_energy_chooses_the_fewest_components_per_layer(llama, tmp_path):
-    p = policy(tmp_path, energy=0.9)
+@pytest.mark.parametrize("basis", ["head", "joint"])
+def test_energy_chooses_the_fewest_components_per_layer(basis, llama, tmp_path):
+    p = policy(tmp_path, energy=0.9, basis=basis)
     cache = build_cache(p, llama)
-    for i, stats in enumerate(cache.stats()):
-        for kind in ("key", "value"):
-            eig = p.calibration[f"{kind}_energy"][i]  # (H_kv, D), decreasing
-            share = eig.cumsum(-1) / eig.sum(-1, keepdim=True)
-            r = stats[f"{kind}_rank"]
-            assert (share[:, r - 1] >= 0.9 - 1e-6).all() and (r == 1 or (share[:, r - 2] < 0.9).any())
+    g = 1 if basis == "head" else 2
+    for kind, source in (("key", "keys_pre"), ("value", "values")):
+        _, eig = bases(p.calibration, source, g, HEAD_DIM)  # (L, G, g * D), decreasing
+        share = eig.cumsum(-1) / eig.sum(-1, keepdim=True)
+        for i, stats in enumerate(cache.stats()):
+            r = stats[f"{kind}_components"]
+            assert (share[i, :, r - 1] >= 0.9 - 1e-6).all() and (r == 1 or (share[i, :, r - 2] < 0.9).any())
+
+
+def test_error_allocation_spreads_the_same_total_with_less_error(llama, tmp_path):
+    uniform = build_cache(policy(tmp_path, rank=4), llama)
+    spread = build_cache(policy(tmp_path, rank=4, allocation="error"), llama)
+    comps = [[s["key_components"] for s in c.stats()] for c in (uniform, spread)]
+    assert comps[0] == [8, 8, 8] and sum(comps[1]) == 24
+    _, eig = bases(spread.policy.calibration, "keys_pre", 2, HEAD_DIM)
+    share = eig / eig.sum(-1, keepdim=True)  # (L, 1, 2D)
+    lost = [sum(float(share[i, 0, r:].sum()) for i, r in enumerate(c)) for c in comps]
+    assert lost[1] <= lost[0]
+    assert predicted_bytes(spread.policy, model_spec(llama), 48, 4) is None  # ranks come from calibration
 
 
 def test_schedule_sets_rank_per_layer(llama, tokens, tmp_path):
@@ -116,10 +160,20 @@ def test_schedule_sets_rank_per_layer(llama, tokens, tmp_path):
         ({"rank": 0}, "low_rank.rank"),
         ({"rank": 4, "value_rank": 0}, "low_rank.value_rank"),
         ({"rank": None, "energy": 0.9, "value_rank": 4}, "low_rank.value_rank=4 needs rank"),
+        ({"rank": None, "energy": 0.9, "allocation": "error"}, "low_rank.allocation='error' needs rank"),
         ({"rank": 4, "energy": 0.9}, "exactly one of rank"),
         ({"rank": None, "energy": 1.5}, "low_rank.energy"),
         ({"residual_length": -1}, "low_rank.residual_length"),
         ({"calibration_tokens": 0}, "low_rank.calibration_tokens"),
+        (
+            {"keys": "rotated"},
+            r"low_rank.keys='rotated' is not supported; allowed: \['pre_rope', 'post_rope'\]",
+        ),
+        ({"basis": "pair"}, "low_rank.basis='pair' is not supported"),
+        ({"values": "low_rank"}, "low_rank.values must be another storage"),
+        ({"values": "nope"}, "low_rank.values: storage='nope' is unknown"),
+        ({"values": {"name": "quant", "bits": 3}}, r"low_rank.values: quant.bits=3"),
+        ({"values": "dense", "value_rank": 4}, "value_rank=4 applies to values projected here"),
     ],
 )
 def test_rejects_bad_fields(kw, field):
@@ -130,14 +184,18 @@ def test_rejects_bad_fields(kw, field):
 def test_model_dependent_checks(llama, tmp_path):
     with pytest.raises(ValueError, match="low_rank.rank=32 must be in \\[1, head_dim=16\\]"):
         build_cache(policy(tmp_path, rank=32), llama)
-    with pytest.raises(ValueError, match="calibration_text='pg_essays' needs the model's tokenizer"):
-        build_cache(LowRankPolicy(rank=4, calibration_dir=str(tmp_path)), llama)
+    with pytest.raises(
+        ValueError, match=r"low_rank.group_size=3 must divide the model's 2 KV heads.*\[1, 2\]"
+    ):
+        build_cache(policy(tmp_path, rank=4, basis="group", group_size=3), llama)
     with pytest.raises(RuntimeError, match="not calibrated"):
         LowRankPolicy(rank=4).layer(0, None)
 
 
 def test_int8_coefficients_store_codes_and_scales(llama, tokens, tmp_path):
-    cache = build_cache(policy(tmp_path, rank=4, int8_coefficients=True), llama)
+    cache = build_cache(
+        policy(tmp_path, rank=4, int8_coefficients=True, basis="head", keys="post_rope"), llama
+    )
     layer, keys, _ = _keys_seen(cache, llama, tokens)
     assert layer.store.key_coef.dtype == layer.store.value_coef.dtype == torch.int8
     assert layer.store.key_scale.shape == (1, 2, 48, 1)

@@ -1,0 +1,104 @@
+"""One layer of low-rank storage: coefficients in calibrated bases, keys optionally pre-RoPE.
+
+Keys arrive rotated by RoPE. With a ``Rope`` they are un-rotated at their own absolute positions before the
+projection, the pre-RoPE latent is cached, and reads rotate the reconstruction back at the same positions
+(Palu, arXiv 2407.21118; ShadowKV, arXiv 2410.21465). Bases are float32 whatever the model dtype, so full
+rank reproduces the keys to the precision of the stored coefficients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcompress.storage.buffers import storage_bytes
+from kvcompress.storage.residual import ResidualStore
+
+
+def to_blocks(x: torch.Tensor, blocks: int) -> torch.Tensor:
+    """(B, H, n, D) -> (B, blocks, n, g * D): the channels of each block's g heads side by side."""
+    b, h, n, d = x.shape
+    return x.reshape(b, blocks, h // blocks, n, d).transpose(2, 3).reshape(b, blocks, n, h // blocks * d)
+
+
+def from_blocks(y: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, G, n, g * D) -> (B, heads, n, D): the inverse of ``to_blocks``."""
+    b, blocks, n, gd = y.shape
+    g = heads // blocks
+    return y.reshape(b, blocks, n, g, gd // g).transpose(2, 3).reshape(b, heads, n, gd // g)
+
+
+class LowRankStore(ResidualStore):
+    """Coefficients (B, G, T_c, r) per kind (int8 codes plus a scale (B, G, T_c, 1) if asked), the exact
+    residual window (B, H_kv, T_r, D), the layer's bases ``basis[kind]`` (G, g * D, r) float32, and with a
+    ``rope`` the stored tokens' positions (B, H_kv, T) int32."""
+
+    def __init__(self, config, layer_idx, spec, kinds, bases: dict, rope=None):
+        super().__init__(config, layer_idx, spec, kinds)
+        own = torch.contiguous_format  # a copy with its own storage, not a view of the whole calibration
+        self.basis = {kind: bases[kind].float().clone(memory_format=own) for kind in kinds}
+        self.rope = rope if "keys" in kinds else None
+        self.needs_positions = config.keys == "pre_rope" and "keys" in kinds  # also on NoPE layers: bytes
+        self.dtype = None  # of the model's keys: coefficients and scales are stored in it
+
+    def append(self, keys, values, positions=None) -> None:
+        first = keys if "keys" in self.kinds else values
+        self.dtype = first.dtype
+        if any(b.device != first.device for b in self.basis.values()):
+            self.basis = {k: b.to(first.device) for k, b in self.basis.items()}
+        super().append(keys, values, positions)
+
+    def encode(self, kind, x, valid=None, positions=None):
+        x = x.float()
+        if kind == "keys" and self.rope is not None:
+            x = self.rope.unrotate(x, positions)
+        basis = self.basis[kind]  # (G, g * D, r)
+        coef = to_blocks(x, basis.shape[0]) @ basis  # (B, G, n, r)
+        if not self.config.int8_coefficients:
+            return (coef.to(self.dtype),)
+        scale = coef.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127
+        return torch.round(coef / scale).to(torch.int8), scale.to(self.dtype)
+
+    def decode(self, kind, parts, out, positions=None):
+        coef = parts[0].float() if len(parts) == 1 else parts[0].float() * parts[1].float()
+        x = from_blocks(coef @ self.basis[kind].mT, out.shape[1])  # (B, H_kv, n, D) float32
+        if kind == "keys" and self.rope is not None:
+            x = self.rope.rotate(x, positions)
+        return out.copy_(x)
+
+    def flush_count(self, residual: int) -> int:
+        return residual - self.config.residual_length
+
+    def fixed_tensors(self):
+        return list(self.basis.values())
+
+    # -- readable names (tests, stats) ------------------------------------------------------
+    def _part(self, kind: str, i: int):
+        parts = self.encoded[kind]
+        return None if parts is None or len(parts) <= i else parts[i]
+
+    key_coef = property(lambda self: self._part("keys", 0))
+    value_coef = property(lambda self: self._part("values", 0))
+    key_scale = property(lambda self: self._part("keys", 1))
+    value_scale = property(lambda self: self._part("values", 1))
+    key_basis = property(lambda self: self.basis.get("keys"))
+    value_basis = property(lambda self: self.basis.get("values"))
+    keys = property(lambda self: self.residual["keys"])
+    values = property(lambda self: self.residual["values"])
+
+    def stats(self) -> dict:
+        cal, c = self.config.calibration, self.config
+        out = {**super().stats(), "keys_mode": c.keys, "basis": c.basis}
+        for kind in self.kinds:
+            blocks, n, comps = self.basis[kind].shape  # (G, g * D, r)
+            g = n // self.spec.head_dim
+            out[f"{kind[:-1]}_components"] = comps  # per block of g heads
+            out[f"{kind[:-1]}_rank"] = comps // g if comps % g == 0 else comps / g  # per KV head
+        return {
+            **out,
+            "tokens_projected": self.encoded_length,
+            "basis_bytes": storage_bytes(self.fixed_tensors()),
+            "position_bytes": storage_bytes([self.positions]),
+            "calibration_source": cal["source"],
+            "calibration_s": cal.get("seconds"),
+            "calibration_range": cal.get("range"),
+        }

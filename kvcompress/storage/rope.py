@@ -1,0 +1,103 @@
+"""The model's own rotary embedding, to un-rotate cached keys to pre-RoPE and rotate them back on read.
+
+RoPE (Su et al., "RoFormer", arXiv 2104.09864) rotates each key by an angle set by its absolute position;
+no fixed subspace fits rotated keys, so low-rank caches project pre-RoPE keys (Palu, arXiv 2407.21118;
+ShadowKV, arXiv 2410.21465). The model applies ``k * cos + P(k) * sin`` with an orthogonal pairing ``P``
+(half split, interleaved, partial rotary dims) and possibly scaled ``cos``/``sin`` (YaRN's attention
+factor). Calling the model's own ``apply_rotary_pos_emb`` with ``(cos, -sin) / (cos^2 + sin^2)`` inverts it
+exactly whatever the pairing, partial dims or scaling (Llama-3, linear, YaRN), so nothing is re-implemented.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import torch
+
+# RoPE types whose frequencies depend on the longest sequence seen so far: a key rotated earlier could not
+# be un-rotated with today's frequencies (and the rotary module changes state when called).
+STATEFUL_ROPE = ("dynamic", "longrope")
+
+
+class Rope:
+    """One decoder layer's rotary embedding: ``rotate`` / ``unrotate`` keys (B, H_kv, n, D) at ``positions``
+    (B, H_kv, n), in float32."""
+
+    def __init__(self, rotary, apply, layer_type: str | None = None):
+        self.rotary, self.apply, self.layer_type = rotary, apply, layer_type
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (B * H_kv, n, rotary dims) in float32."""
+        flat = positions.reshape(-1, positions.shape[-1]).long()
+        probe = torch.empty(0, dtype=torch.float32, device=positions.device)
+        extra = () if self.layer_type is None else (self.layer_type,)
+        cos, sin = self.rotary(probe, flat, *extra)
+        return cos.float(), sin.float()
+
+    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, h, n, d = x.shape
+        flat = x.float().reshape(b * h, 1, n, d)
+        return self.apply(flat, flat, cos, sin)[1].view(b, h, n, d)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Post-RoPE keys (float32) of pre-RoPE keys ``x`` at ``positions``."""
+        cos, sin = self._cos_sin(positions)
+        return self._apply(x, cos, sin)
+
+    def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE keys (float32) of post-RoPE keys ``x`` at ``positions``: the inverse of ``rotate``."""
+        cos, sin = self._cos_sin(positions)
+        norm = cos * cos + sin * sin  # 1 for plain RoPE; YaRN scales both by its attention factor
+        return self._apply(x, cos / norm, -sin / norm)
+
+
+def _decoder(model):
+    return model.get_decoder() if hasattr(model, "get_decoder") else model
+
+
+def _attention_modules(decoder) -> dict[int, torch.nn.Module]:
+    """Self-attention module of each decoder layer, by ``layer_idx``."""
+    found = {}
+    for module in decoder.modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and type(module).__name__.endswith("Attention"):
+            found.setdefault(idx, module)
+    return found
+
+
+def _rotary_module(decoder):
+    rotary = getattr(decoder, "rotary_emb", None)
+    if rotary is None:
+        rotary = next((m for m in decoder.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
+    return rotary
+
+
+def model_ropes(model, num_layers: int) -> list[Rope | None]:
+    """Per decoder layer its ``Rope``, or None for a layer without RoPE (NoPE: SmolLM3, Llama-4 layers).
+
+    Raises ``ValueError`` naming the model when its rotary embedding cannot be inverted this way.
+    """
+    decoder, kind = _decoder(model), getattr(model.config, "model_type", type(model).__name__)
+    rotary, attention = _rotary_module(decoder), _attention_modules(decoder)
+    if rotary is None or not attention:
+        raise ValueError(f"{kind}: no rotary embedding module found, so keys cannot be un-rotated")
+    rope_type = str(getattr(rotary, "rope_type", "default"))
+    if any(s in rope_type for s in STATEFUL_ROPE):
+        raise ValueError(
+            f"{kind}: rope_type={rope_type!r} changes its frequencies with the sequence length, so a cached "
+            "key cannot be un-rotated exactly later"
+        )
+    takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
+    layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None)
+    ropes = []
+    for i in range(num_layers):
+        attn = attention.get(i)
+        apply = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None) if attn else None
+        if attn is not None and not getattr(attn, "use_rope", True):
+            ropes.append(None)  # a NoPE layer: its keys are never rotated
+            continue
+        if apply is None:
+            raise ValueError(f"{kind}: layer {i} has no apply_rotary_pos_emb beside its attention module")
+        ropes.append(Rope(rotary, apply, layer_types[i] if takes_type and layer_types else None))
+    return ropes

@@ -1,0 +1,146 @@
+"""Pre-RoPE low-rank keys: the model's own rotary embedding inverted exactly, full rank equal to ``full`` on
+Llama, Qwen2, partial rotary (Phi-3), scaled RoPE (Llama-3, YaRN) and NoPE layers (SmolLM3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny
+from helpers import stream_logits
+from transformers import (
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
+)
+
+from kvcompress import build_cache
+from kvcompress.policies import LowRankPolicy
+from kvcompress.storage.rope import model_ropes
+
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4)
+TINY |= dict(
+    num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=95
+)
+ROPE = {"rope_theta": 10000.0}
+SCALED = {
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0},
+}
+
+
+def make(family: str):
+    """A tiny random model of ``family`` (fixed seed)."""
+    torch.manual_seed(0)
+    if family in ("llama", "qwen2"):
+        return make_tiny(family)
+    if family in SCALED:
+        params = {**SCALED[family], **ROPE, "original_max_position_embeddings": 16}
+        model = LlamaForCausalLM(LlamaConfig(**TINY, rope_parameters=params))
+    elif family == "phi3_partial":
+        model = Phi3ForCausalLM(Phi3Config(**TINY, partial_rotary_factor=0.5))
+    elif family == "smollm3_nope":
+        model = SmolLM3ForCausalLM(SmolLM3Config(**TINY, no_rope_layer_interval=2))
+    return model.eval()
+
+
+FAMILIES = ["llama", "qwen2", "phi3_partial", "llama3", "yarn", "smollm3_nope"]
+
+
+def policy(tmp_path, **kw):
+    base = {"calibration_text": "random", "calibration_tokens": 64, "calibration_dir": str(tmp_path)}
+    return LowRankPolicy(**{**base, **kw})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_unrotate_then_rotate_is_identity(family):
+    rope = model_ropes(make(family), 3)[0]
+    x = torch.randn(2, 2, 9, 16)
+    pos = torch.randint(0, 500, (2, 2, 9))
+    torch.testing.assert_close(rope.rotate(rope.unrotate(x, pos), pos), x, atol=1e-5, rtol=0)
+    torch.testing.assert_close(rope.unrotate(rope.rotate(x, pos), pos), x, atol=1e-5, rtol=0)
+
+
+def _pre_and_post(model, tokens):
+    """Keys of layer 0 as projected (pre-RoPE, k_norm included) and as the cache received them."""
+    seen = {}
+    attn = model.model.layers[0].self_attn
+    proj = getattr(attn, "k_proj", None) or attn.qkv_proj
+    hook = proj.register_forward_hook(lambda m, i, o: seen.setdefault("proj", o))
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(tokens, cache=cache)
+    hook.remove()
+    return seen["proj"], cache.layers[0].keys
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3_partial", "llama3", "yarn"])
+def test_rope_is_the_models_own_rotation(family, tokens):
+    model = make(family)
+    proj, post = _pre_and_post(model, tokens[:, :20])
+    d, h = 16, 2
+    if family == "phi3_partial":  # fused qkv: the keys follow the 4 query heads
+        proj = proj[..., 4 * d : 6 * d]
+    pre = proj.view(1, 20, h, d).transpose(1, 2)  # (1, H_kv, T, D)
+    pos = torch.arange(20).expand(1, h, 20)
+    rope = model_ropes(model, 3)[0]
+    torch.testing.assert_close(rope.rotate(pre, pos), post, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rope.unrotate(post, pos), pre, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("keys", ["pre_rope", "post_rope"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_full_rank_reproduces_full(family, keys, tokens, tmp_path):
+    model = make(family)
+    ref = stream_logits(model, tokens, DynamicCache(config=model.config), chunk=5)
+    for basis in ("joint", "head"):
+        cache = build_cache(policy(tmp_path, rank=16, keys=keys, basis=basis), model)
+        got = stream_logits(model, tokens, cache, chunk=5)
+        assert cache.stats()[0]["tokens_projected"] == 48
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_nope_layers_skip_unrotation(tmp_path):
+    model = make("smollm3_nope")
+    ropes = model_ropes(model, 3)
+    assert [r is None for r in ropes] == [False, True, False]  # no_rope_layers = [1, 0, 1]
+    cache = build_cache(policy(tmp_path, rank=4), model)
+    assert [layer.store.rope is None for layer in cache.layers] == [False, True, False]
+
+
+def test_positions_are_the_models_own(tokens, tmp_path):
+    """Explicit position_ids (a prompt starting at 100) reach the store; reads rotate keys back at them."""
+    model = make("llama")
+    cache = build_cache(policy(tmp_path, rank=16, residual_length=2), model)
+    pos = torch.arange(100, 148)[None]
+    with torch.inference_mode():
+        for s in range(0, 48, 6):
+            model(tokens[:, s : s + 6], position_ids=pos[:, s : s + 6], cache=cache)
+    store = cache.layers[0].store
+    assert torch.equal(store.positions[0, 0], pos[0].int()) and store.positions.dtype == torch.int32
+    ref = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(tokens, position_ids=pos, cache=ref)
+    torch.testing.assert_close(store.read()[0], ref.layers[0].keys, atol=1e-5, rtol=1e-5)
+
+
+def test_stateful_rope_is_refused(tmp_path):
+    model = LlamaForCausalLM(
+        LlamaConfig(**TINY, rope_parameters={"rope_type": "dynamic", "factor": 2.0, **ROPE})
+    )
+    with pytest.raises(ValueError, match="low_rank.keys='pre_rope' cannot work.*dynamic.*keys=post_rope"):
+        build_cache(policy(tmp_path, rank=4), model)
+    build_cache(policy(tmp_path, rank=4, keys="post_rope"), model)  # post-RoPE needs no inversion
+
+
+def test_bf16_keeps_float32_bases_and_full_rank_is_exact(tokens, tmp_path):
+    model = make_tiny("llama", dtype=torch.bfloat16)
+    ref = stream_logits(model, tokens, DynamicCache(config=model.config), chunk=7)
+    cache = build_cache(policy(tmp_path, rank=16), model)
+    got = stream_logits(model, tokens, cache, chunk=7)
+    store = cache.layers[1].store
+    assert store.key_basis.dtype == torch.float32 and store.key_coef.dtype == torch.bfloat16
+    assert (got.float() - ref.float()).abs().max() < 0.05  # bf16 rounding of the coefficients only
