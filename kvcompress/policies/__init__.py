@@ -6,6 +6,7 @@ from kvcompress.policies.block_sparse import BlockSparsePolicy
 from kvcompress.policies.eviction import EvictionPolicy
 from kvcompress.policies.full import FullPolicy, StoragePreset
 from kvcompress.policies.h2o import H2OPolicy
+from kvcompress.policies.kvzip import KVzipPolicy
 from kvcompress.policies.low_rank import LowRankPolicy
 from kvcompress.policies.pyramid import PyramidKVPolicy
 from kvcompress.policies.quant import QuantPolicy
@@ -25,6 +26,7 @@ __all__ = [
     "SlidingWindowPolicy",
     "EvictionPolicy",
     "H2OPolicy",
+    "KVzipPolicy",
     "PyramidKVPolicy",
     "SnapKVPolicy",
     "TOVAPolicy",

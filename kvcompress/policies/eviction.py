@@ -101,25 +101,44 @@ class EvictionLayer(PolicyLayer):
         """Tokens to keep now: the budget, or a fraction of the longest row's real tokens."""
         return self.policy.keep_count(self.seen - self.padding_seen)
 
-    def select(self, scores: torch.Tensor, k: int, protect: int = 0) -> torch.Tensor:
+    def token_order(self, t: int, device) -> torch.Tensor:
+        """Sequence order of the stored tokens (newest highest): the stored index, or a layer's own
+        positions when a decode step's in-place eviction reorders its tokens (H2O)."""
+        return torch.arange(t, device=device, dtype=torch.float64)
+
+    def first_real(self, n: int, t: int, device) -> torch.Tensor:
+        """(B or 1, 1 or H_kv, T) bool: the first ``n`` real stored tokens of each row (attention sinks)."""
+        if self.valid is None:
+            return (torch.arange(t, device=device) < n)[None, None]
+        return self.valid & (self.valid.cumsum(-1) <= n)
+
+    def select(
+        self, scores: torch.Tensor, k: int, protect: int = 0, pinned: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Keep the ``k`` best tokens of every row and head; returns the kept indices (B, h, k), sorted.
 
         Args:
             scores: (B, 1 or H_kv, T) priority of each stored token (higher is kept).
             protect: the last ``protect`` positions are kept first (recent / observation window).
+            pinned: (B or 1, 1 or H_kv, T) bool, tokens kept first whatever their score (sinks, H2O's
+                recent window); among kept-first tokens the newest win ties (``token_order``).
         """
         t = scores.shape[-1]
+        order = self.token_order(t, scores.device)
+        prio = scores.double()
+        if pinned is not None:
+            prio = torch.where(pinned, _BIG + order, prio)
+        if protect:
+            prio = torch.where(torch.arange(t, device=scores.device) >= t - protect, _BIG + order, prio)
         if t - k == 1 and self.valid is None and protect < t:  # decode: drop one token, no top-k or sort
-            worst = scores[..., : t - protect].argmin(dim=-1, keepdim=True)  # (B, h, 1)
+            worst = prio[..., : t - protect].argmin(dim=-1, keepdim=True)  # (B, h, 1)
             if self.order_free and protect == 0 and self.drop_one(worst):
                 return worst
             ar = torch.arange(t - 1, device=scores.device)
             idx = ar + (ar >= worst).long()  # (B, h, t - 1): every position but the worst, in order
             return self.keep(idx, is_sorted=True)
-        pos = torch.arange(t, device=scores.device, dtype=torch.float64)
-        prio = torch.where(pos >= t - protect, _BIG + pos, scores.double())  # newest protected win ties
         if self.valid is not None:
-            prio = torch.where(self.valid, prio, -_BIG + pos)  # padding only fills what real tokens cannot
+            prio = torch.where(self.valid, prio, -_BIG + order)  # padding only fills what real tokens cannot
         return self.keep(prio.topk(min(k, t), dim=-1).indices)  # (B, h, k), sorted by keep
 
     def stats(self) -> dict:

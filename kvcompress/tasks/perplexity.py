@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from kvcompress.cache import build_cache
+from kvcompress.context_pass import after_prefill
 from kvcompress.data import load_text
 from kvcompress.guard import check_fits
 from kvcompress.metrics import decode_perplexity, measure_speed, peak_rss_bytes
@@ -37,13 +38,14 @@ def _never_compressed_hint(cfg) -> str:
         return f"Lower the policy's budget below task.prefix_tokens={cfg.prefix_tokens}."
     return (
         f"Each forward carried task.chunk_size={cfg.chunk_size} token(s), and policies that compress at "
-        "prefill (snapkv, pyramidkv) never act then: set task.prefix_tokens (compress that many tokens in "
-        "one prefill, score the rest) or a larger task.chunk_size; or lower the policy's budget below "
+        "prefill (snapkv, pyramidkv, expected_attention) or in the context pass after a prefill (kvzip) "
+        "never act then: set task.prefix_tokens (compress that many tokens in one prefill, score the "
+        "rest) or a larger task.chunk_size; or lower the policy's budget below "
         f"task.max_tokens={cfg.max_tokens}."
     )
 
 
-def _score(model, ids, policy, cfg) -> dict:
+def _score(model, tokenizer, ids, policy, cfg) -> dict:
     """Decode-mode (or prefix) perplexity, bytes vs ``full`` on the same tokens, and did it compress."""
     start = time.perf_counter()
     cache = build_cache(policy, model)  # includes a calibrating policy's calibration (or its reload)
@@ -55,6 +57,7 @@ def _score(model, ids, policy, cfg) -> dict:
         chunk_size=cfg.chunk_size,
         progress=cfg.get("progress", True),
         prefix_tokens=cfg.get("prefix_tokens"),
+        after_prefix=after_prefill(model, tokenizer),
     )
     metrics["build_cache_s"] = build_s
     metrics["cache_bytes"] = cache.memory_bytes()
@@ -75,7 +78,7 @@ def run(model, tokenizer, policy, cfg) -> dict:
     spec_max = getattr(model.config, "max_position_embeddings", 0)
     ids = text_tokens(tokenizer, cfg.text, cfg.max_tokens, cfg.get("offset_tokens", 0), spec_max)
     check_fits(model, cfg.max_tokens, chunk=max(cfg.chunk_size, cfg.get("prefix_tokens") or 0))
-    metrics = _score(model, ids, policy, cfg)
+    metrics = _score(model, tokenizer, ids, policy, cfg)
     if cfg.get("speed", True):
         prompt = ids[:, : cfg.get("prefill_tokens") or cfg.max_tokens]
         metrics.update(
@@ -86,6 +89,7 @@ def run(model, tokenizer, policy, cfg) -> dict:
                 cfg.decode_tokens,
                 repeats=cfg.speed_repeats,
                 progress=cfg.get("progress", True),
+                after_prefill=after_prefill(model, tokenizer),
             )
         )
     metrics["peak_rss_bytes"] = peak_rss_bytes()
