@@ -14,17 +14,20 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.fields import Float, Int
+from kvcompress.fields import Choice, Float, Int
 from kvcompress.policies.base import Policy, Shape
+from kvcompress.policies.chunks import chunk_priority
 from kvcompress.policies.layer import PolicyLayer
 
+UNITS = ("token", "chunk")
 _BIG = 1e12  # priority offset: protected tokens above every score, padding below every score
 
 # Fuzz alternatives shared by budgeted policies: a fixed budget or a ratio.
-BUDGET_FUZZ = [
+BUDGETS = [
     {"budget": (1, 40), "compression_ratio": None},
     {"budget": None, "compression_ratio": [0.0, 0.3, 0.5, 0.75, 0.95]},
 ]
+BUDGET_FUZZ = [{**alt, "unit": list(UNITS), "chunk_size": (1, 8)} for alt in BUDGETS]  # and the unit
 
 
 DEFAULT_RATIO = 0.5  # with neither budget nor compression_ratio set
@@ -45,13 +48,17 @@ def check_one_budget(policy) -> None:
 @dataclass
 class EvictionPolicy(Policy):
     """Base of eviction policies: one of ``budget`` (tokens kept per layer and head) or
-    ``compression_ratio`` (fraction of the tokens seen that is removed, in [0, 1); 0.5 if neither is set)."""
+    ``compression_ratio`` (fraction of the tokens seen that is removed, in [0, 1); 0.5 if neither is set).
+    ``unit``: ``token`` keeps the best tokens; ``chunk`` keeps whole chunks of ``chunk_size`` consecutive
+    tokens ranked by their summed scores (ChunkKV, Liu et al., arXiv 2502.00299)."""
 
     evicts = "always"
     FUZZ = BUDGET_FUZZ
 
     budget: int | None = Int(None, low=1, null=True)
     compression_ratio: float | None = Float(None, 0.0, 1.0, high_open=True, null=True)
+    unit: str = Choice("token", UNITS)
+    chunk_size: int = Int(10, low=1)
 
     def __post_init__(self):
         check_one_budget(self)
@@ -88,6 +95,8 @@ class EvictionLayer(PolicyLayer):
     def __init__(self, policy, layer_idx, spec, store):
         super().__init__(policy, layer_idx, spec, store)
         self.padding_seen = 0  # padding tokens consumed by the least padded row
+        if policy.unit == "chunk":  # chunks are runs of stored tokens: stored order must stay sequence order
+            self.order_free = False
 
     def on_append(self, key_states, new_valid) -> None:
         if new_valid is not None:
@@ -117,6 +126,9 @@ class EvictionLayer(PolicyLayer):
     ) -> torch.Tensor:
         """Keep the ``k`` best tokens of every row and head; returns the kept indices (B, h, k), sorted.
 
+        With ``unit: chunk`` whole chunks of ``chunk_size`` stored tokens are kept, ranked by their summed
+        scores (``chunks.chunk_priority``); the last one taken may be partial, so exactly ``k`` stay.
+
         Args:
             scores: (B, 1 or H_kv, T) priority of each stored token (higher is kept).
             protect: the last ``protect`` positions are kept first (recent / observation window).
@@ -125,11 +137,13 @@ class EvictionLayer(PolicyLayer):
         """
         t = scores.shape[-1]
         order = self.token_order(t, scores.device)
-        prio = scores.double()
-        if pinned is not None:
-            prio = torch.where(pinned, _BIG + order, prio)
+        first = pinned if pinned is not None else torch.zeros(1, 1, t, dtype=torch.bool, device=scores.device)
         if protect:
-            prio = torch.where(torch.arange(t, device=scores.device) >= t - protect, _BIG + order, prio)
+            first = first | (torch.arange(t, device=scores.device) >= t - protect)
+        prio = scores.double()
+        if self.policy.unit == "chunk":
+            prio = chunk_priority(prio, self.policy.chunk_size, self.valid, ~first)
+        prio = torch.where(first, _BIG + order, prio)
         if t - k == 1 and self.valid is None and protect < t:  # decode: drop one token, no top-k or sort
             worst = prio[..., : t - protect].argmin(dim=-1, keepdim=True)  # (B, h, 1)
             if self.order_free and protect == 0 and self.drop_one(worst):
