@@ -95,7 +95,8 @@ class EvictionLayer(PolicyLayer):
     def __init__(self, policy, layer_idx, spec, store):
         super().__init__(policy, layer_idx, spec, store)
         self.padding_seen = 0  # padding tokens consumed by the least padded row
-        if policy.unit == "chunk":  # chunks are runs of stored tokens: stored order must stay sequence order
+        self.unit = getattr(policy, "unit", "token")  # block_evict ranks its own blocks
+        if self.unit == "chunk":  # chunks are runs of stored tokens: stored order must stay sequence order
             self.order_free = False
 
     def on_append(self, key_states, new_valid) -> None:
@@ -141,7 +142,7 @@ class EvictionLayer(PolicyLayer):
         if protect:
             first = first | (torch.arange(t, device=scores.device) >= t - protect)
         prio = scores.double()
-        if self.policy.unit == "chunk":
+        if self.unit == "chunk":
             prio = chunk_priority(prio, self.policy.chunk_size, self.valid, ~first)
         prio = torch.where(first, _BIG + order, prio)
         if t - k == 1 and self.valid is None and protect < t:  # decode: drop one token, no top-k or sort
