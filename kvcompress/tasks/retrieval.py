@@ -130,11 +130,11 @@ def run_case(model, tokenizer, policy, case: Case, cfg) -> dict:
         "tokens_stored_mean": sum(s["tokens_stored"] for s in stats) / len(stats),
         "cache_bytes": cache.memory_bytes(),
         "tokens_evicted": evicted,
-        "compressed": _compressed(model, policy, cache, evicted),
+        "compressed": case_compressed(model, policy, cache, evicted),
     }
 
 
-def _compressed(model, policy, cache, evicted: int) -> bool:
+def case_compressed(model, policy, cache, evicted: int) -> bool:
     """Evicted, or fewer bytes than ``full`` on the tokens consumed (one extra prefill, only when needed)."""
     if evicted > 0 or policy.name == "full":
         return evicted > 0
