@@ -6,10 +6,11 @@ With ``attention.py`` this is the only module that touches transformers internal
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 from transformers.cache_utils import Cache
 
-from kvcompress import attention, registry
+from kvcompress import attention, persist, registry
 from kvcompress.families import attention_layout
 from kvcompress.policies.base import ModelSpec, Policy
 from kvcompress.profiling import TIMER
@@ -22,9 +23,10 @@ __all__ = ["CONF_DIR", "KVCache", "build_cache", "known_policies", "known_storag
 class KVCache(Cache):
     """A ``Cache`` of policy layers; adds ``memory_bytes()`` and ``stats()``."""
 
-    def __init__(self, layers, policy):
+    def __init__(self, layers, policy, model=None):
         super().__init__(layers=layers)
         self.policy = policy
+        self._model = None if model is None else weakref.ref(model)  # for save(): its fingerprint
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
@@ -42,6 +44,27 @@ class KVCache(Cache):
     def stats(self) -> list[dict]:
         """One dict per layer: tokens seen/stored/evicted, bytes, and policy-specific counters."""
         return [layer.stats() for layer in self.layers]
+
+    # -- one compressed context, many questions (kvcompress.persist) ------------------------------
+    def __deepcopy__(self, memo):
+        return persist.fork(self)
+
+    def snapshot(self) -> KVCache:
+        """An exact copy of the current state (``restore`` it before each question)."""
+        return persist.fork(self)
+
+    def restore(self, snapshot: KVCache) -> None:
+        """Return to ``snapshot``'s state exactly; the snapshot stays usable for the next restore."""
+        self.layers = persist.fork(snapshot).layers
+
+    def save(self, path) -> None:
+        """Write the cache to ``path`` (safetensors + JSON header); ``kvcompress.load_cache`` reads it."""
+        model = self._model() if self._model is not None else None
+        if model is None:
+            raise ValueError(
+                "cache.save: the model this cache was built for is gone; pass it to persist.save"
+            )
+        persist.save(self, path, model)
 
 
 def _positions(keys, args, kwargs):
@@ -113,7 +136,7 @@ def build_cache(policy, model, **params) -> KVCache:
     policy.prepare(model)
     attention.install(model)
     layers = [policy.layer(i, spec) for i in range(spec.num_layers)]
-    return KVCache(layers, policy)
+    return KVCache(layers, policy, model)
 
 
 PEERS = ("dynamic", "hf_sliding_window", "hf_quantized_fp8")

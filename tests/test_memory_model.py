@@ -11,7 +11,7 @@ import torch
 from conftest import POLICY_NAMES, SELECTORS, STORAGE_VARIANTS, make_tiny, small
 from omegaconf import OmegaConf
 
-from kvcompress import build_cache, make_policy
+from kvcompress import build_cache, compress_context, make_policy
 from kvcompress.cache import model_spec
 from kvcompress.memory_model import predicted_bytes
 from kvcompress.registry import make_storage
@@ -119,6 +119,7 @@ def measured_and_predicted(name, params, n_tokens, decode_tokens, dtype, batch=1
     ids = torch.randint(2, 95, (batch, n_tokens + decode_tokens), generator=g)
     model(ids[:, :n_tokens], cache=cache, use_cache=True)
     try:
+        compress_context(model, cache, ids[:, :n_tokens])  # query-agnostic selectors (kvzip) act here
         for t in range(n_tokens, n_tokens + decode_tokens):
             model(ids[:, t : t + 1], cache=cache, use_cache=True)
     except ValueError as err:  # a compressed storage under an evicting selector refuses diverging rows

@@ -45,6 +45,7 @@ def decode_perplexity(
     explicit_positions: bool = False,
     progress=True,
     prefix_tokens: int | None = None,
+    after_prefix=None,
 ) -> dict:
     """Stream ``input_ids`` (1, N) through ``cache`` in chunks; score each token from what came before.
 
@@ -54,6 +55,8 @@ def decode_perplexity(
         prefix_tokens: prefix perplexity: the first ``prefix_tokens`` go through ONE prefill forward (where
             prefill-time policies such as SnapKV compress) and are not scored; the rest streams in
             ``chunk_size`` chunks and only those predictions are scored (N - prefix_tokens - 1 tokens).
+        after_prefix: called as ``after_prefix(cache, prefix_ids)`` right after the prefix's prefill (the
+            context pass of query-agnostic policies, ``kvcompress.context_pass``).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
@@ -62,6 +65,8 @@ def decode_perplexity(
     first = _check_prefix(prefix_tokens, n)
     if first:  # the prefix's own logits saw the uncompressed prefix: not scored
         model(ids[:, :first], cache=cache, use_cache=True, logits_to_keep=1)
+        if after_prefix is not None:
+            after_prefix(cache, ids[:, :first])
     nll, scored = 0.0, 0
     steps = range(first, n - 1, chunk_size)
     for start in tqdm(steps, desc="perplexity", disable=not progress, leave=False):

@@ -15,11 +15,13 @@ def _sync(device) -> None:
 
 
 @torch.inference_mode()
-def _one_run(model, input_ids, make_cache, decode_tokens: int):
+def _one_run(model, input_ids, make_cache, decode_tokens: int, after_prefill=None):
     cache = make_cache()
     _sync(model.device)
     t0 = time.perf_counter()
     logits = model(input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+    if after_prefill is not None:  # a query-agnostic policy's context pass is part of its prefill
+        after_prefill(cache, input_ids)
     _sync(model.device)
     t1 = time.perf_counter()
     for _ in range(decode_tokens):
@@ -30,17 +32,19 @@ def _one_run(model, input_ids, make_cache, decode_tokens: int):
 
 
 def measure_speed(
-    model, input_ids, make_cache, decode_tokens: int = 32, warmup: int = 1, repeats: int = 3, progress=True
-):
+    model, input_ids, make_cache, decode_tokens: int = 32, warmup: int = 1, repeats: int = 3, progress=True,
+    after_prefill=None,
+):  # fmt: skip
     """Median prefill seconds, prefill and decode tokens/s over ``repeats`` runs after ``warmup`` runs.
 
     Args:
         input_ids: prompt (B, P) on the model's device.
         make_cache: callable returning a fresh cache for each run.
+        after_prefill: ``after_prefill(cache, input_ids)``, timed as part of the prefill (a context pass).
     """
     prefill, decode = [], []
     for i in tqdm(range(warmup + repeats), desc="speed", disable=not progress, leave=False):
-        p, d, cache = _one_run(model, input_ids.to(model.device), make_cache, decode_tokens)
+        p, d, cache = _one_run(model, input_ids.to(model.device), make_cache, decode_tokens, after_prefill)
         if i >= warmup:
             prefill.append(p)
             decode.append(d)

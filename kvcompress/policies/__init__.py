@@ -4,8 +4,10 @@ from kvcompress.policies.base import ModelSpec, Policy, PolicyLayer
 from kvcompress.policies.block_evict import BlockEvictPolicy
 from kvcompress.policies.block_sparse import BlockSparsePolicy
 from kvcompress.policies.eviction import EvictionPolicy
+from kvcompress.policies.expected_attention import ExpectedAttentionPolicy
 from kvcompress.policies.full import FullPolicy, StoragePreset
 from kvcompress.policies.h2o import H2OPolicy
+from kvcompress.policies.kvzip import KVzipPolicy
 from kvcompress.policies.low_rank import LowRankPolicy
 from kvcompress.policies.pyramid import PyramidKVPolicy
 from kvcompress.policies.quant import QuantPolicy
@@ -25,6 +27,8 @@ __all__ = [
     "SlidingWindowPolicy",
     "EvictionPolicy",
     "H2OPolicy",
+    "ExpectedAttentionPolicy",
+    "KVzipPolicy",
     "PyramidKVPolicy",
     "SnapKVPolicy",
     "TOVAPolicy",

@@ -12,7 +12,7 @@ import torch
 
 from kvcompress.fields import Int, renamed
 from kvcompress.policies.base import Shape
-from kvcompress.policies.eviction import _BIG, EvictionLayer, EvictionPolicy
+from kvcompress.policies.eviction import EvictionLayer, EvictionPolicy
 
 ACC_BYTES = POS_BYTES = 4  # float32 accumulated score and int32 position per kept token and KV head
 
@@ -37,9 +37,11 @@ class H2OLayer(EvictionLayer):
         k = self.target()
         if self.stored_length() > k:
             recent = k // 2 if self.policy.recent is None else self.policy.recent
-            newest = self.pos.double()
-            protected = newest >= self.seen - recent  # the `recent` newest positions, wherever stored
-            self.select(torch.where(protected, _BIG + newest, self.acc.double()), k)  # newest win ties
+            protected = self.pos >= self.seen - recent  # the `recent` newest positions, wherever stored
+            self.select(self.acc, k, pinned=protected)
+
+    def token_order(self, t: int, device) -> torch.Tensor:
+        return self.pos.double()  # stored order is not sequence order after an in-place eviction
 
 
 @dataclass

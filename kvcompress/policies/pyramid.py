@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from kvcompress.fields import Float, Int
 from kvcompress.policies.base import ModelSpec, Policy, PolicyLayer
-from kvcompress.policies.eviction import EvictionPolicy, check_one_budget
+from kvcompress.policies.eviction import BUDGETS, EvictionPolicy, check_one_budget
 from kvcompress.policies.schedule import SchedulePolicy, _as_policy
 
 _SNAPKV = {"_target_": "kvcompress.policies.SnapKVPolicy"}
@@ -65,7 +65,7 @@ class PyramidKVPolicy(Policy):
     ``storage`` applies to every layer's copy."""
 
     TEST_PARAMS = {"budget": 12, "compression_ratio": None, "beta": 4}
-    FUZZ = [{**alt, "beta": [1, 4, 20, 30]} for alt in EvictionPolicy.FUZZ]
+    FUZZ = [{**alt, "beta": [1, 4, 20, 30]} for alt in BUDGETS]
 
     policy: object = field(default_factory=lambda: dict(_SNAPKV))
     budget: int | None = Int(None, low=1, null=True)

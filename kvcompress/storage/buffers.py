@@ -130,7 +130,7 @@ def storage_bytes(tensors) -> int:
         if t is None:
             continue
         storage = t.untyped_storage()
-        if storage.data_ptr() in seen:
+        if storage.nbytes() == 0 or storage.data_ptr() in seen:  # empty: may share a neighbour's address
             continue
         seen.add(storage.data_ptr())
         total += storage.nbytes()

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from kvcompress import attention
 from kvcompress.cache import PEERS, build_cache, held_bytes, known_policies, make_policy, peer_cache
+from kvcompress.context_pass import after_prefill
 from kvcompress.guard import check_fits
 from kvcompress.memory_model import predicted_for_model
 from kvcompress.metrics.memory import peak_rss_bytes
@@ -53,11 +54,14 @@ def _make(model, contender, window: int):
 
 
 @torch.inference_mode()
-def _measure(model, ids, cache, decode_tokens: int) -> dict:
-    """One prefill + ``decode_tokens`` greedy steps; seconds and policy seconds during decode."""
+def _measure(model, ids, cache, decode_tokens: int, after=None) -> dict:
+    """One prefill (with a query-agnostic policy's context pass, ``after``) + ``decode_tokens`` greedy
+    steps; seconds and policy seconds during decode."""
     _sync(model.device)
     t0 = time.perf_counter()
     logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+    if after is not None:
+        after(cache, ids)
     _sync(model.device)
     ttft = time.perf_counter() - t0
     with timing() as timer:
@@ -116,7 +120,7 @@ def run(model, tokenizer, policy, cfg) -> dict:
     rounds = [(r, n, c) for r in range(cfg.warmup + cfg.repeats) for n in lengths for c in contenders]
     for rep, length, name in tqdm(rounds, desc="bench", disable=not cfg.get("progress", True)):
         cache = _make(model, contenders[name], cfg.get("peer_window", 256))
-        result = _measure(model, ids[:, :length], cache, cfg.decode_tokens)
+        result = _measure(model, ids[:, :length], cache, cfg.decode_tokens, after_prefill(model, tokenizer))
         if rep >= cfg.warmup:
             samples[(name, length)].append(result)
         del cache

@@ -11,6 +11,7 @@ import time
 
 from kvcompress.cache import build_cache
 from kvcompress.calibration_text import cache_spans, check_disjoint, text_span
+from kvcompress.context_pass import after_prefill
 from kvcompress.data import load_text
 from kvcompress.guard import check_fits
 from kvcompress.metrics import decode_perplexity, measure_speed, peak_rss_bytes
@@ -39,13 +40,14 @@ def _never_compressed_hint(cfg) -> str:
         return f"Lower the policy's budget below task.prefix_tokens={cfg.prefix_tokens}."
     return (
         f"Each forward carried task.chunk_size={cfg.chunk_size} token(s), and policies that compress at "
-        "prefill (snapkv, pyramidkv) never act then: set task.prefix_tokens (compress that many tokens in "
-        "one prefill, score the rest) or a larger task.chunk_size; or lower the policy's budget below "
+        "prefill (snapkv, pyramidkv, expected_attention) or in the context pass after a prefill (kvzip) "
+        "never act then: set task.prefix_tokens (compress that many tokens in one prefill, score the "
+        "rest) or a larger task.chunk_size; or lower the policy's budget below "
         f"task.max_tokens={cfg.max_tokens}."
     )
 
 
-def _score(model, ids, policy, cfg, chars) -> dict:
+def _score(model, tokenizer, ids, policy, cfg, chars) -> dict:
     """Decode-mode (or prefix) perplexity, bytes vs ``full`` on the same tokens, and did it compress.
     ``chars()``: the characters of ``cfg.text`` that ``ids`` cover (refused if a calibration read them)."""
     start = time.perf_counter()
@@ -60,6 +62,7 @@ def _score(model, ids, policy, cfg, chars) -> dict:
         chunk_size=cfg.chunk_size,
         progress=cfg.get("progress", True),
         prefix_tokens=cfg.get("prefix_tokens"),
+        after_prefix=after_prefill(model, tokenizer),
     )
     metrics["build_cache_s"] = build_s
     metrics["calibration_ranges"] = spans
@@ -86,7 +89,7 @@ def run(model, tokenizer, policy, cfg) -> dict:
     ids = text_tokens(tokenizer, cfg.text, cfg.max_tokens, offset, spec_max)
     check_fits(model, cfg.max_tokens, chunk=max(cfg.chunk_size, cfg.get("prefix_tokens") or 0))
     span = functools.partial(text_span, tokenizer, load_text(cfg.text), offset, offset + cfg.max_tokens)
-    metrics = _score(model, ids, policy, cfg, span)
+    metrics = _score(model, tokenizer, ids, policy, cfg, span)
     if cfg.get("speed", True):
         prompt = ids[:, : cfg.get("prefill_tokens") or cfg.max_tokens]
         metrics.update(
@@ -97,6 +100,7 @@ def run(model, tokenizer, policy, cfg) -> dict:
                 cfg.decode_tokens,
                 repeats=cfg.speed_repeats,
                 progress=cfg.get("progress", True),
+                after_prefill=after_prefill(model, tokenizer),
             )
         )
     metrics["peak_rss_bytes"] = peak_rss_bytes()

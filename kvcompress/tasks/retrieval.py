@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress.cache import build_cache
+from kvcompress.context_pass import prefill
 from kvcompress.metrics.compression import full_cache_bytes, is_compressed, tokens_evicted
 
 
@@ -63,22 +64,35 @@ def eos_ids(model, tokenizer) -> set[int]:
 
 
 @torch.inference_mode()
-def answer(model, cache, head, tail, question_in_prompt: bool, max_new_tokens: int, stop: set[int]):
-    """Prefill, feed the question, greedy-decode; returns the generated token ids."""
-    dev = model.device
+def answer(model, cache, head, tail, question_in_prompt: bool, max_new_tokens: int, stop: set[int],
+           tokenizer=None):  # fmt: skip
+    """Prefill (plus a query-agnostic policy's context pass), feed the question, greedy-decode; returns the
+    generated token ids."""
     if question_in_prompt:
-        logits = model(torch.cat([head, tail], 1).to(dev), cache=cache, use_cache=True).logits
+        logits = prefill(model, cache, torch.cat([head, tail], 1), tokenizer).logits
     else:
-        logits = model(head.to(dev), cache=cache, use_cache=True).logits
-        for i in range(tail.shape[1]):  # decode steps: the context is already compressed
-            logits = model(tail[:, i : i + 1].to(dev), cache=cache, use_cache=True).logits
+        prefill(model, cache, head, tokenizer)
+        logits = feed(model, cache, tail)  # decode steps: the context is already compressed
+    return greedy(model, cache, logits, max_new_tokens, stop)
+
+
+def feed(model, cache, ids) -> torch.Tensor:
+    """Feed ``ids`` (1, n) one token per forward (decode steps); returns the last step's logits."""
+    logits = None
+    for i in range(ids.shape[1]):
+        logits = model(ids[:, i : i + 1].to(model.device), cache=cache, use_cache=True).logits
+    return logits
+
+
+def greedy(model, cache, logits, max_new_tokens: int, stop: set[int]) -> list[int]:
+    """Greedy tokens from ``logits`` (1, q, V) until a ``stop`` id (not fed) or ``max_new_tokens``."""
     out = []
     for _ in range(max_new_tokens):
         nxt = int(logits[0, -1].argmax())
         if nxt in stop:
             break
         out.append(nxt)
-        logits = model(torch.tensor([[nxt]], device=dev), cache=cache, use_cache=True).logits
+        logits = model(torch.tensor([[nxt]], device=model.device), cache=cache, use_cache=True).logits
     return out
 
 
@@ -99,7 +113,7 @@ def run_case(model, tokenizer, policy, case: Case, cfg) -> dict:
     )
     cache = build_cache(policy, model)
     stop = eos_ids(model, tokenizer)
-    ids = answer(model, cache, head, tail, cfg.question_in_prompt, cfg.max_new_tokens, stop)
+    ids = answer(model, cache, head, tail, cfg.question_in_prompt, cfg.max_new_tokens, stop, tokenizer)
     response = tokenizer.decode(ids, skip_special_tokens=True)
     stats = cache.stats()
     evicted = tokens_evicted(cache)
@@ -116,11 +130,11 @@ def run_case(model, tokenizer, policy, case: Case, cfg) -> dict:
         "tokens_stored_mean": sum(s["tokens_stored"] for s in stats) / len(stats),
         "cache_bytes": cache.memory_bytes(),
         "tokens_evicted": evicted,
-        "compressed": _compressed(model, policy, cache, evicted),
+        "compressed": case_compressed(model, policy, cache, evicted),
     }
 
 
-def _compressed(model, policy, cache, evicted: int) -> bool:
+def case_compressed(model, policy, cache, evicted: int) -> bool:
     """Evicted, or fewer bytes than ``full`` on the tokens consumed (one extra prefill, only when needed)."""
     if evicted > 0 or policy.name == "full":
         return evicted > 0

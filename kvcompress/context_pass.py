@@ -1,0 +1,140 @@
+"""The context pass of query-agnostic selectors (KVzip): reconstruct the prefilled context against its cache.
+
+Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", arXiv 2505.23416.
+
+Why an explicit call: the reconstruction runs the whole model again over the context's token ids, which
+no cache layer sees (layers get keys and values, never ids) and which cannot run from inside the
+forward that would trigger it. So the caller, who holds the ids, says when the context is complete::
+
+    model(context_ids, cache=cache)                  # prefill: stores every token
+    compress_context(model, cache, context_ids, tok) # scores by reconstruction, then evicts
+
+``prefill`` does both, and runs the pass only for caches whose layers declare ``needs_context_pass``; the
+tasks (retrieval, multi-query, prefix perplexity) use it, so any policy gets what it needs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+REPEAT_FIRST = "\n\nRepeat the previous context exactly."
+REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
+OVERLAP = 8  # last tokens of the previous chunk quoted in the next chunk's prompt
+_MARK = "\x00kvcompress-turn\x00"
+
+
+def needs_context_pass(cache) -> bool:
+    return any(getattr(layer, "needs_context_pass", False) for layer in getattr(cache, "layers", ()))
+
+
+def repeat_prompts(tokenizer) -> tuple[list[int], list[int], list[int]]:
+    """Token ids of the first chunk's instruction, the later chunks' instruction, and what closes the user
+    turn and opens the assistant's (from the chat template; empty without one). No tokenizer: no prompt,
+    the context is reconstructed as is."""
+    if tokenizer is None:
+        return [], [], []
+    encode = lambda s: tokenizer(s, add_special_tokens=False).input_ids  # noqa: E731
+    turn = ""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": _MARK}], tokenize=False, add_generation_prompt=True
+        )
+        turn = text.split(_MARK, 1)[1]
+    return encode(REPEAT_FIRST), encode(REPEAT_NEXT), encode(turn) if turn else []
+
+
+def reconstruction_chunks(context_ids, attention_mask, prompts, chunk: int):
+    """Inputs of the reconstruction forwards: per chunk, ids (B, n) and query validity (B, n) or None.
+
+    Each row reconstructs its own real tokens (left padding dropped) ``chunk`` at a time: the instruction
+    (the later ones quote the previous chunk's last ``OVERLAP`` tokens), the turn switch, the chunk.
+    Shorter rows are right-padded with id 0, marked invalid.
+    """
+    first, later, turn = prompts
+    masks = torch.ones_like(context_ids) if attention_mask is None else attention_mask
+    rows = [ids[m.bool()].tolist() for ids, m in zip(context_ids.cpu(), masks.cpu(), strict=True)]
+    n_chunks = max(-(-len(r) // chunk) for r in rows)
+    for i in range(n_chunks):
+        pieces = []
+        for r in rows:
+            body = r[i * chunk : (i + 1) * chunk]
+            head = first if i == 0 else later + r[max(0, i * chunk - OVERLAP) : i * chunk]
+            pieces.append(head + turn + body if body else [])
+        width = max(len(p) for p in pieces)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        valid = torch.zeros(len(rows), width, dtype=torch.bool)
+        for b, p in enumerate(pieces):
+            ids[b, : len(p)], valid[b, : len(p)] = torch.tensor(p, dtype=torch.long), True
+        yield ids, (None if bool(valid.all()) else valid)
+
+
+@torch.inference_mode()
+def compress_context(model, cache, context_ids, tokenizer=None, attention_mask=None) -> dict:
+    """Run the context pass of every layer that needs one, then let those layers evict.
+
+    Args:
+        context_ids: (B, T) the ids just prefilled (left padded as they were, with ``attention_mask``).
+        tokenizer: builds the repeat instruction and chat turn; None reconstructs without them.
+
+    Returns:
+        ``{"context_pass": bool, "context_pass_s", "context_chunks"}`` (``False`` when no layer needs one).
+    """
+    layers = [layer for layer in cache.layers if getattr(layer, "needs_context_pass", False)]
+    if not layers:
+        return {"context_pass": False}
+    if len(layers) != len(cache.layers):
+        others = [i for i, layer in enumerate(cache.layers) if layer not in layers]
+        raise ValueError(
+            f"compress_context: layers {others} do not take part in the context pass and would store the "
+            "reconstruction's tokens; a schedule cannot mix kvzip with other selectors"
+        )
+    start, seen = time.perf_counter(), cache.get_seq_length()
+    pads = 0 if attention_mask is None else (attention_mask == 0).sum(-1, keepdim=True).cpu()
+    prompts, size = repeat_prompts(tokenizer), layers[0].policy.context_chunk
+    chunks = list(reconstruction_chunks(context_ids, attention_mask, prompts, size))
+    for layer in layers:
+        layer.begin_context_pass()
+    try:
+        for ids, valid in chunks:
+            _reconstruct(model, cache, ids, valid, seen - pads)
+    except BaseException:
+        for layer in layers:
+            layer.end_context_pass(evict=False)
+        raise
+    for layer in layers:
+        layer.end_context_pass()
+    seconds = time.perf_counter() - start
+    return {"context_pass": True, "context_pass_s": seconds, "context_chunks": len(chunks)}
+
+
+def _reconstruct(model, cache, ids, valid, first_position) -> None:
+    """One teacher-forced chunk (B, n) at the positions right after each row's context; nothing is stored."""
+    b, n = ids.shape
+    dev = model.device
+    kwargs = {"position_ids": (torch.arange(n) + first_position).expand(b, -1).to(dev)}
+    if valid is not None:
+        mask = torch.cat([torch.ones(b, cache.get_seq_length(), dtype=torch.long), valid.long()], dim=1)
+        kwargs["attention_mask"] = mask.to(dev)
+    model(ids.to(dev), cache=cache, use_cache=True, logits_to_keep=1, **kwargs)
+
+
+def prefill(model, cache, ids, tokenizer=None, **kwargs):
+    """One prefill forward of ``ids`` (1 or B, T), then the context pass when the cache needs one; returns
+    the forward's output (its logits saw the uncompressed prompt, as any prefill's do)."""
+    out = model(ids.to(model.device), cache=cache, use_cache=True, **kwargs)
+    if needs_context_pass(cache):
+        compress_context(model, cache, ids, tokenizer, kwargs.get("attention_mask"))
+    return out
+
+
+def after_prefill(model, tokenizer=None):
+    """A callable ``(cache, ids)`` that runs ``compress_context`` when the cache needs it, else nothing (for
+    loops that do their own prefill: prefix perplexity, speed)."""
+
+    def run(cache, ids) -> None:
+        if needs_context_pass(cache):
+            compress_context(model, cache, ids, tokenizer)
+
+    return run

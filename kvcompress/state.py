@@ -1,0 +1,70 @@
+"""A cache layer's (or store's) own attributes as a JSON tree plus named tensors, and back.
+
+Used by ``persist`` for cache files: tensors become ``{"tensor": name}`` entries (saved as contiguous
+copies), other values stay plain JSON with a marker for their kind, so loading rebuilds tuples, named
+tuples, dicts, dtypes and devices exactly. An attribute of an unknown kind is refused by name, so a new
+layer attribute that cannot be saved fails loudly (the round-trip test covers every policy and storage).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+# Structure rebuilt by build_cache (policy, shapes, configs), buffer bookkeeping, and transient views.
+SKIP = frozenset({"policy", "spec", "store", "config", "slots", "_view"})
+LAZY = frozenset({"device", "dtype"})  # set by a layer's first update (CacheLayerMixin.lazy_initialization)
+
+
+def state_attributes(obj) -> dict:
+    """The attributes of ``obj`` that hold its state (everything but ``SKIP``)."""
+    return {k: v for k, v in vars(obj).items() if k not in SKIP}
+
+
+def encode(value, name: str, tensors: dict):
+    """A JSON-able tree for ``value``; tensors are added to ``tensors`` under names starting with ``name``."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        tensors[name] = value.detach().contiguous().clone()
+        return {"tensor": name}
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        kind = f"{type(value).__module__}.{type(value).__qualname__}"
+        return {"namedtuple": kind, "items": [encode(v, f"{name}.{i}", tensors) for i, v in enumerate(value)]}
+    if isinstance(value, (list, tuple)):
+        key = "list" if isinstance(value, list) else "tuple"
+        return {key: [encode(v, f"{name}.{i}", tensors) for i, v in enumerate(value)]}
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {"dict": {k: encode(v, f"{name}.{k}", tensors) for k, v in value.items()}}
+    raise TypeError(f"cannot save {name}: a {type(value).__name__} (teach kvcompress.state.encode its kind)")
+
+
+def decode(node, tensors: dict, device):
+    """The value ``encode`` described; tensors from ``tensors`` (already on ``device``)."""
+    if not isinstance(node, dict):
+        return node
+    if "tensor" in node:
+        return tensors[node["tensor"]]
+    if "dtype" in node:
+        return getattr(torch, node["dtype"])
+    if "device" in node:
+        return torch.device(device)
+    if "namedtuple" in node:
+        return _named(node["namedtuple"])(*(decode(v, tensors, device) for v in node["items"]))
+    if "list" in node:
+        return [decode(v, tensors, device) for v in node["list"]]
+    if "tuple" in node:
+        return tuple(decode(v, tensors, device) for v in node["tuple"])
+    return {k: decode(v, tensors, device) for k, v in node["dict"].items()}
+
+
+def _named(path: str):
+    module, _, attr = path.rpartition(".")
+    if not module.startswith("kvcompress."):
+        raise ValueError(f"load_cache: refusing to build {path!r} (only kvcompress types are loaded)")
+    return getattr(importlib.import_module(module), attr)

@@ -1,0 +1,202 @@
+"""KVzip: its rule on a constructed attention pattern, and the context pass over every storage (the
+reconstruction's tokens never stay; without the pass nothing is evicted and the run says so)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import STORAGE_VARIANTS, make_tiny
+from helpers import held_tensors
+from transformers import DynamicCache
+
+from kvcompress import attention, build_cache, compress_context, make_policy
+from kvcompress.context_pass import needs_context_pass, prefill, reconstruction_chunks
+from kvcompress.policies import KVzipPolicy
+from kvcompress.policies.base import ModelSpec
+from kvcompress.registry import make_storage
+from kvcompress.storage.buffers import storage_bytes
+
+D = 16
+SPEC = ModelSpec(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=D, max_positions=64)
+
+
+def onehot(start: int, stop: int) -> torch.Tensor:
+    """Keys (1, 2, stop - start, D): token j is e_j in both KV heads, so a query's entry j is its logit."""
+    return torch.eye(D)[start:stop].expand(1, 2, -1, -1).clone()
+
+
+def chunk_queries(logits: dict) -> torch.Tensor:
+    """Queries (1, 4, 2, D) from ``{(head, query): {token: logit}}``; heads 0-1 are KV group 0, 2-3 are 1."""
+    q = torch.zeros(1, 4, 2, D)
+    for (h, i), row in logits.items():
+        for token, logit in row.items():
+            q[0, h, i, token] = logit
+    return q
+
+
+def reconstruct(layer, start: int, q: torch.Tensor) -> None:
+    """One reconstruction chunk: its keys (tokens start, start + 1) and queries, as the model would."""
+    attention._STATE.padding = None
+    keys, _ = layer.update(onehot(start, start + 2), onehot(start, start + 2))
+    layer.observe_attention(q, keys, 1.0)
+    layer.end_step()
+
+
+def test_keeps_the_pairs_with_the_highest_max_attention_per_kv_group_plus_sinks():
+    layer = KVzipPolicy(budget=4, compression_ratio=None, sink_tokens=1).layer(0, SPEC)
+    attention._STATE.padding = None
+    layer.update(onehot(0, 12), onehot(0, 12))  # the context's prefill: 12 tokens
+    layer.end_step()
+    layer.begin_context_pass()
+    # group 0: one strong hit each on 3, 7 and 9. Group 1: token 5 is hit once, hard; tokens 10 and 11
+    # are attended moderately by three queries: the max rule keeps 5 (a sum rule would prefer 10, 11)
+    reconstruct(layer, 12, chunk_queries({(0, 0): {3: 8.0}, (1, 1): {7: 9.0}, (2, 0): {5: 10.0}}))
+    many = {10: 2.0, 11: 1.5}
+    reconstruct(layer, 12, chunk_queries({(0, 1): {9: 6.0}, (2, 1): many, (3, 0): many, (3, 1): many}))
+    assert layer.stored_length() == 12 and layer.seen == 12  # reconstruction tokens were never stored
+    layer.end_context_pass()
+    kept = layer.keys.argmax(-1).tolist()
+    assert kept == [[[0, 3, 7, 9], [0, 5, 10, 11]]]
+    assert layer.seen == 12 and layer.evicted == 8 and layer.pass_scores is None
+
+
+def test_max_over_a_group_not_the_mean():
+    layer = KVzipPolicy(budget=2, compression_ratio=None, sink_tokens=0).layer(0, SPEC)
+    attention._STATE.padding = None
+    layer.update(onehot(0, 12), onehot(0, 12))
+    layer.end_step()
+    layer.begin_context_pass()
+    spread = {4: 1.0, 6: 0.5}
+    q = {(0, 0): {2: 9.0}, (0, 1): spread, (1, 0): spread, (1, 1): spread}
+    reconstruct(layer, 12, chunk_queries({**q, (2, 0): {8: 9.0}}))
+    layer.end_context_pass()
+    assert layer.keys.argmax(-1).tolist()[0][0] == [2, 4]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny("llama")
+
+
+def _ids(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(2, 95, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("var", list(STORAGE_VARIANTS))
+@torch.inference_mode()
+def test_context_pass_over_every_storage_evicts_and_leaves_no_reconstruction_tokens(var, model):
+    policy = dataclasses.replace(
+        KVzipPolicy(**KVzipPolicy.TEST_PARAMS), storage=make_storage(dict(STORAGE_VARIANTS[var]))
+    )
+    cache = build_cache(policy, model)
+    ids = _ids(40)
+    model(ids, cache=cache)
+    before = [layer.store.read()[0].clone() for layer in cache.layers]  # (1, H_kv, 40, D)
+    assert needs_context_pass(cache)
+    info = compress_context(model, cache, ids)
+    assert info["context_pass"] and info["context_chunks"] == 3  # 40 tokens, 16 per chunk
+    for layer, old in zip(cache.layers, before, strict=True):
+        assert layer.stored_length() == 12 and layer.get_seq_length() == 40 and layer.evicted == 28
+        if var == "dense":  # every stored key is a context key, at the index it had
+            idx = (layer.keys[..., None, :] == old[:, :, None]).all(-1).float().argmax(-1)  # (1, H_kv, 12)
+            assert torch.equal(layer.keys, old.gather(2, idx[..., None].expand(-1, -1, -1, old.shape[-1])))
+            assert bool((idx < 40).all()) and bool((idx[..., :2] == torch.arange(2)).all())  # sinks kept
+    held = [t for layer in cache.layers for t in held_tensors(layer)]
+    assert cache.memory_bytes() == storage_bytes(held)
+    logits = model(_ids(3, seed=2), cache=cache).logits
+    assert torch.isfinite(logits).all() and cache.get_seq_length() == 43
+    assert all(layer.stored_length() == 15 for layer in cache.layers)
+
+
+@torch.inference_mode()
+def test_covering_budget_after_the_context_pass_is_exactly_the_uncompressed_cache(model):
+    ids, more = _ids(40), _ids(6, seed=3)
+    ref = DynamicCache(config=model.config)
+    model(ids, cache=ref)
+    want = model(more, cache=ref).logits
+    cache = build_cache(make_policy("kvzip", **KVzipPolicy.TEST_PARAMS).covering(40), model)
+    prefill(model, cache, ids)
+    assert all(layer.context_passes == 1 and layer.evicted == 0 for layer in cache.layers)
+    torch.testing.assert_close(model(more, cache=cache).logits, want, atol=1e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_without_the_context_pass_nothing_is_evicted(model):
+    cache = build_cache("kvzip", model, **KVzipPolicy.TEST_PARAMS)
+    model(_ids(40), cache=cache)
+    model(_ids(2, seed=4), cache=cache)
+    stats = cache.stats()
+    assert all(s["tokens_evicted"] == 0 and s["context_passes"] == 0 for s in stats)
+
+
+def test_refusals_name_the_problem(model):
+    with pytest.raises(RuntimeError, match="needs a prefilled cache"):
+        compress_context(model, build_cache("kvzip", model), _ids(8))
+    target = "kvcompress.policies."
+    mixed = make_policy(
+        {"_target_": target + "SchedulePolicy", "default": {"_target_": target + "KVzipPolicy"},
+         "rules": [{"layers": 0, "policy": {"_target_": target + "FullPolicy"}}]}
+    )  # fmt: skip
+    cache = build_cache(mixed, model)
+    with torch.inference_mode():
+        model(_ids(8), cache=cache)
+    with pytest.raises(ValueError, match=r"layers \[0\] do not take part"):
+        compress_context(model, cache, _ids(8))
+    assert compress_context(model, build_cache("snapkv", model), _ids(8)) == {"context_pass": False}
+
+
+def test_reconstruction_chunks_quote_the_previous_tokens_and_right_pad_shorter_rows():
+    ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])  # row 0 is left-padded: its context is 5 6 7
+    chunks = list(reconstruction_chunks(ids, mask, ([90], [91], [92]), 2))  # first, later, turn switch
+    assert chunks[0][0].tolist() == [[90, 92, 5, 6], [90, 92, 1, 2]] and chunks[0][1] is None
+    assert chunks[1][0].tolist() == [[91, 5, 6, 92, 7, 0], [91, 1, 2, 92, 3, 4]]
+    assert chunks[1][1].tolist() == [[True] * 5 + [False], [True] * 6]
+    assert chunks[2][0].tolist() == [[0] * 7, [91, 1, 2, 3, 4, 92, 5]]
+    assert chunks[2][1].tolist() == [[False] * 7, [True] * 7]
+
+
+@torch.inference_mode()
+def test_left_padded_batch_compresses_each_row_as_alone(model):
+    long, short = _ids(40), _ids(14, seed=5)  # the short row's context is one chunk, the long row's three
+    ids = torch.cat([long, torch.cat([torch.zeros(1, 26, dtype=torch.long), short], 1)])
+    mask = torch.ones_like(ids)
+    mask[1, :26] = 0
+    policy = make_policy("kvzip", **{**KVzipPolicy.TEST_PARAMS, "budget": 10})
+    cache = build_cache(policy, model)
+    prefill(model, cache, ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+    for row, alone_ids in enumerate((long, short)):
+        alone = build_cache(policy, model)
+        prefill(model, alone, alone_ids)
+        for layer, ref in zip(cache.layers, alone.layers, strict=True):
+            real = layer.valid[row, 0] if layer.valid is not None else slice(None)
+            torch.testing.assert_close(layer.keys[row][:, real], ref.keys[0], atol=1e-5, rtol=1e-5)
+
+
+def test_tasks_run_the_context_pass_and_flag_a_run_that_never_got_one(char_tokenizer, tmp_path):
+    import warnings
+
+    from omegaconf import OmegaConf
+
+    from kvcompress.tasks import niah
+    from kvcompress.tasks import perplexity as ppl_task
+
+    llama, policy = make_tiny("llama"), make_policy("kvzip", **KVzipPolicy.TEST_PARAMS)
+    text = tmp_path / "text.txt"
+    text.write_text("The cat sat on the mat. A dog ran far away! Birds sing at dawn. " * 12)
+    cfg = OmegaConf.load("conf/task/perplexity.yaml")
+    cfg.update(text=str(text), max_tokens=48, speed=False, progress=False)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        streamed = ppl_task.run(llama, char_tokenizer, policy, cfg)
+        cfg.update(prefix_tokens=32)
+        prefixed = ppl_task.run(llama, char_tokenizer, policy, cfg)
+    assert streamed["compressed"] is False and "kvzip" in streamed["warning"]
+    assert prefixed["compressed"] is True and prefixed["tokens_evicted"] == 3 * (32 - 12)
+    cfg = OmegaConf.load("conf/task/niah.yaml")
+    cfg.update(text=str(text), lengths=[100], depths=[50], max_new_tokens=3, progress=False)
+    cfg.update(needle="Magic is 42.", question="Magic?", answer="42")
+    case = niah.run(llama, char_tokenizer, policy, cfg)["cases"][0]
+    assert case["compressed"] and case["tokens_evicted"] == 3 * (case["context_tokens"] - 12)

@@ -1,0 +1,115 @@
+"""Snapshots and cache files over every selector x storage cell (and every other policy in conf/policy/):
+restore and load give back the identical state, bit for bit, and the same next logits; loading into
+another model, another format version or a changed layer format is refused by name."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from conftest import POLICY_NAMES, is_selector, make_tiny, small
+from helpers import stream_logits
+from test_selector_storage_product import CELLS, IDS, build_or_refused
+
+from kvcompress import build_cache, compress_context, load_cache
+from kvcompress.persist import HEADER_KEY, cache_state
+from kvcompress.policies.config import policy_config, policy_from_saved
+
+MODEL = make_tiny("llama")
+OTHERS = [n for n in POLICY_NAMES if not is_selector(n)]  # schedules, pyramidkv, storage presets
+CASES = CELLS + [(n, None) for n in OTHERS]
+CASE_IDS = IDS + OTHERS
+IDS_48 = torch.randint(2, 95, (1, 48), generator=torch.Generator().manual_seed(1))
+
+
+def filled(sel, var):
+    """The cell's cache after 40 tokens in chunks of 7 and its context pass (kvzip), or None if refused."""
+    cache = build_or_refused(sel, var, MODEL) if var is not None else build_cache(small(sel), MODEL)
+    if cache is not None:
+        stream_logits(MODEL, IDS_48[:, :40], cache, chunk=7)
+        compress_context(MODEL, cache, IDS_48[:, :40])
+    return cache
+
+
+def assert_same_state(a, b) -> None:
+    (tree_a, tensors_a), (tree_b, tensors_b) = cache_state(a), cache_state(b)
+    assert tree_a == tree_b and tensors_a.keys() == tensors_b.keys()
+    for name, t in tensors_a.items():
+        assert t.dtype == tensors_b[name].dtype and torch.equal(t, tensors_b[name]), name
+    assert a.get_seq_length() == b.get_seq_length() and a.memory_bytes() == b.memory_bytes()
+
+
+@pytest.mark.parametrize("sel,var", CASES, ids=CASE_IDS)
+def test_save_and_load_round_trip_bit_exactly(sel, var, tmp_path):
+    cache = filled(sel, var)
+    if cache is None:
+        return
+    cache.save(tmp_path / "cache.safetensors")
+    loaded = load_cache(tmp_path / "cache.safetensors", MODEL)
+    assert loaded.policy.describe() == cache.policy.describe()
+    assert_same_state(cache, loaded)
+    more = IDS_48[:, 40:]
+    assert torch.equal(stream_logits(MODEL, more, loaded, 1), stream_logits(MODEL, more, cache, 1))
+    assert_same_state(cache, loaded)
+
+
+@pytest.mark.parametrize("sel,var", CASES, ids=CASE_IDS)
+def test_restore_returns_to_the_snapshot_exactly(sel, var):
+    cache = filled(sel, var)
+    if cache is None:
+        return
+    snap, twin = cache.snapshot(), copy.deepcopy(cache)
+    first = stream_logits(MODEL, IDS_48[:, 40:], cache, 1)  # a question and its answer
+    cache.restore(snap)
+    assert_same_state(cache, twin)
+    assert torch.equal(stream_logits(MODEL, IDS_48[:, 40:], cache, 1), first)
+    cache.restore(snap)  # the snapshot is still intact for the next question
+    assert_same_state(cache, twin)
+    for layer, copied in zip(cache.layers, snap.layers, strict=True):
+        assert layer.policy is copied.policy and layer is not copied  # constants shared, state not
+        assert all(
+            x is y for x, y in zip(layer.store.fixed_tensors(), copied.store.fixed_tensors(), strict=True)
+        )
+
+
+def test_policy_config_rebuilds_every_policy():
+    for name in POLICY_NAMES:
+        policy = small(name)
+        rebuilt = policy_from_saved(json.loads(json.dumps(policy_config(policy))))
+        assert rebuilt.describe() == policy.describe(), name
+
+
+def _rewrite_header(src, dst, change) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(src), framework="pt") as f:
+        header = json.loads(f.metadata()[HEADER_KEY])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    change(header)
+    save_file(tensors, str(dst), metadata={HEADER_KEY: json.dumps(header)})
+
+
+def test_refuses_another_model_another_version_and_a_changed_format(tmp_path):
+    cache = filled("h2o", "dense")
+    path = tmp_path / "c.safetensors"
+    cache.save(path)
+    with pytest.raises(ValueError, match="model mismatch: .* 'llama' model .* 'qwen2' model"):
+        load_cache(path, make_tiny("qwen2"))
+    other = make_tiny("llama")
+    with torch.no_grad():
+        other.model.layers[0].mlp.up_proj.weight.mul_(1.01)  # same architecture, other weights
+    with pytest.raises(ValueError, match="model mismatch"):
+        load_cache(path, other)
+    bad = tmp_path / "bad.safetensors"
+    _rewrite_header(path, bad, lambda h: h.update(version=0))
+    with pytest.raises(ValueError, match="version mismatch: file has 0, expected 1"):
+        load_cache(bad, MODEL)
+    _rewrite_header(path, bad, lambda h: h["layers"][1]["state"].pop("acc"))
+    with pytest.raises(ValueError, match=r"format mismatch: layer 1 .* missing \['acc'\]"):
+        load_cache(bad, MODEL)
+    _rewrite_header(path, bad, lambda h: h["policy_config"].update(_target_="os.system"))
+    with pytest.raises(ValueError, match="not a kvcompress policy or storage"):
+        load_cache(bad, MODEL)
