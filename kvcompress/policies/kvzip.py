@@ -82,6 +82,11 @@ class KVzipLayer(EvictionLayer):
     def begin_context_pass(self) -> None:
         if not self.is_initialized:
             raise RuntimeError("kvzip: compress_context needs a prefilled cache (no tokens stored yet)")
+        if self.window is not None:
+            raise ValueError(
+                f"kvzip.apply_to=all: layer {self.layer_idx} is a windowed layer (window {self.window}); the "
+                "context pass runs on full-attention layers only: use apply_to=full_attention"
+            )
         self.pass_scores = torch.zeros(*self.store.read()[0].shape[:3], device=self.device)
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -91,7 +96,11 @@ class KVzipLayer(EvictionLayer):
         b, _, q, _ = key_states.shape
         self._pass_queries = attention.new_token_validity(b, q, key_states.device)  # (B, q) or None
         valid = _cat_validity(self.valid, self._pass_queries, keys.shape[-2], b, q, key_states.device)
-        self._view = (keys.shape[-2] + q, valid)
+        self._view = (
+            keys.shape[-2] + q,
+            valid,
+            None,
+        )  # causal among the pass's own tokens, after the context
         self._pass_keys = valid
         return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
 
