@@ -90,7 +90,11 @@ def test_context_pass_over_every_storage_evicts_and_leaves_no_reconstruction_tok
     policy = dataclasses.replace(
         KVzipPolicy(**KVzipPolicy.TEST_PARAMS), storage=make_storage(dict(STORAGE_VARIANTS[var]))
     )
-    cache = build_cache(policy, model)
+    try:
+        cache = build_cache(policy, model)
+    except ValueError as err:  # a pair the storage refuses by name (per-head eviction over joint bases)
+        assert "cannot work" in str(err) and "basis=head" in str(err)
+        return
     ids = _ids(40)
     model(ids, cache=cache)
     before = [layer.store.read()[0].clone() for layer in cache.layers]  # (1, H_kv, 40, D)
