@@ -49,12 +49,30 @@ def _selectors():
     return [n for n in POLICY_NAMES if make_policy(n).selector == n or n in ("quant", "low_rank")]
 
 
-@pytest.mark.parametrize("apply_to", ["full_attention", "all"])
-@pytest.mark.parametrize("family", sorted(SERVED))
+WINDOWED = sorted(
+    f for f in SERVED if f not in ("llama", "qwen3", "gemma", "smollm3", "olmo2", "granite", "glm4")
+)
+CASES = [(f, "full_attention") for f in sorted(SERVED)] + [(f, "all") for f in WINDOWED]
+
+
+@pytest.mark.parametrize("family,apply_to", CASES)
 def test_every_policy_at_covering_budget_is_full(family, apply_to):
+    """Chunked prefill (several queries per forward) and the decode steps of the last chunk."""
+    _covering_equals_full(family, apply_to, _selectors(), chunks=(9,))
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss"])
+def test_decode_paths_at_covering_budget_are_full_token_by_token(family):
+    """The one-query paths (fused decode attention, Quest page reads, in-place eviction) past the window."""
+    _covering_equals_full(
+        family, "all", ["h2o", "tova", "block_sparse", "block_evict", "sliding_window"], (1,)
+    )
+
+
+def _covering_equals_full(family, apply_to, names, chunks):
     model = make_family(family)
     ref = stream_logits(model, IDS, build_cache("full", model), 9)
-    for name in _selectors():
+    for name in names:
         policy = small(name)
         if "apply_to" in {f.name for f in dataclasses.fields(policy)}:
             policy = dataclasses.replace(policy, apply_to=apply_to)
@@ -63,7 +81,7 @@ def test_every_policy_at_covering_budget_is_full(family, apply_to):
         except ValueError as err:  # refused by name: expected attention needs RoPE over the whole head
             assert name == "expected_attention" and "RoPE must turn the whole head" in str(err), err
             continue
-        for chunk in (9, 1):  # chunked prefill, then token by token (decode paths: Quest pages, fused)
+        for chunk in chunks:
             got = stream_logits(model, IDS, build_cache(policy.covering(48), model), chunk)
             torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4, msg=f"{family}: {name} ({apply_to})")
 
