@@ -131,6 +131,10 @@ def _restore(obj, cls: str, state: dict, where: str, tensors, device) -> None:
             f"{sorted(set(state) - have)}, missing {sorted(have - set(state))}; save the cache again"
         )
     for name, node in state.items():
+        if isinstance(node, dict) and "store" in node:  # a nested store: restored in place, same checks
+            _restore(getattr(obj, name), node["store"]["class"], node["store"]["state"], f"{where}.{name}",
+                     tensors, device)  # fmt: skip
+            continue
         setattr(obj, name, decode(node, tensors, device))
 
 

@@ -13,7 +13,7 @@ import importlib
 import torch
 
 # Structure rebuilt by build_cache (policy, shapes, configs), buffer bookkeeping, and transient views.
-SKIP = frozenset({"policy", "spec", "store", "config", "slots", "_view"})
+SKIP = frozenset({"policy", "spec", "store", "config", "slots", "_view", "rope"})  # rope: from the model
 LAZY = frozenset({"device", "dtype"})  # set by a layer's first update (CacheLayerMixin.lazy_initialization)
 
 
@@ -41,6 +41,11 @@ def encode(value, name: str, tensors: dict):
         return {key: [encode(v, f"{name}.{i}", tensors) for i, v in enumerate(value)]}
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
         return {"dict": {k: encode(v, f"{name}.{k}", tensors) for k, v in value.items()}}
+    from kvcompress.storage import Store
+
+    if isinstance(value, Store):  # a store inside a store (keys and values stored apart): its own state
+        kind = f"{type(value).__module__}.{type(value).__qualname__}"
+        return {"store": {"class": kind, "state": encode(state_attributes(value), name, tensors)["dict"]}}
     raise TypeError(f"cannot save {name}: a {type(value).__name__} (teach kvcompress.state.encode its kind)")
 
 

@@ -23,7 +23,7 @@ REFUSED = {(sel, "quant") for sel in ("h2o", "tova", "sliding_window", "block_ev
 REFUSED |= {("snapkv", "quant")}  # its TEST_PARAMS set slack: re-compression at decode steps
 # A joint low-rank basis caches one latent per token for all KV heads: selectors that may keep different
 # tokens in each head are refused (sliding_window keeps the same tokens in every head, so it runs).
-PER_HEAD = ("h2o", "tova", "snapkv", "block_evict", "knorm", "pyramidkv")
+PER_HEAD = ("h2o", "tova", "snapkv", "block_evict", "knorm", "pyramidkv", "kvzip", "expected_attention")
 REFUSED |= {(sel, "low_rank1") for sel in PER_HEAD}
 FIX = {"quant": "key_axis=token", "low_rank1": "use basis=head"}  # what each refusal must name
 
