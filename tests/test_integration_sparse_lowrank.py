@@ -40,7 +40,11 @@ def test_reconstruction_error_on_real_keys_falls_with_rank(real_model, essay_ids
     model, _ = real_model
     policy = LowRankPolicy(rank=32)
     build_cache(policy, model)  # calibrates on the essays' last tokens (evaluation keys: the first ones)
-    keys, bases = _real_keys(model, essay_ids), policy.calibration["key_basis"]
+    from kvcompress.storage.low_rank_bases import bases as calibrated_bases
+
+    per_head = calibrated_bases(policy.calibration, "keys_post", 1, keys_dim := 64)[0]  # (L, H_kv, D, D)
+    keys, bases = _real_keys(model, essay_ids), list(per_head)
+    assert per_head.shape[-1] == keys_dim
     errors = [_error(keys, bases, r) for r in (4, 8, 16, 32, 48, 64)]
     assert all(a > b for a, b in zip(errors, errors[1:], strict=False))
     assert errors[-1] < 1e-4  # the full basis is orthonormal: exact up to float error
