@@ -238,3 +238,13 @@ def test_model_scope_shares_the_budget_over_layers(model):
     for layer, n in zip(cache.layers, sizes, strict=True):
         assert layer.evicted == 40 - n and layer.get_seq_length() == 40
     assert policy.kept_tokens(None) is None  # no per-layer formula: the shares depend on the scores
+
+
+def test_speed_counts_the_context_pass_in_the_prefill(model):
+    from kvcompress.context_pass import after_prefill
+    from kvcompress.metrics import measure_speed
+
+    make = lambda: build_cache("kvzip", model, **KVzipPolicy.TEST_PARAMS)  # noqa: E731
+    got = measure_speed(model, _ids(40), make, 2, warmup=0, repeats=1, progress=False,
+                        after_prefill=after_prefill(model))  # fmt: skip
+    assert got["cache_bytes_after_decode"] == 3 * 2 * 2 * 14 * 16 * 4  # 12 kept + 2 decoded per layer
