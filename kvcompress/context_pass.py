@@ -16,6 +16,7 @@ tasks (retrieval, multi-query, prefix perplexity) use it, so any policy gets wha
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -29,39 +30,50 @@ def needs_context_pass(cache) -> bool:
     return any(getattr(layer, "needs_context_pass", False) for layer in getattr(cache, "layers", ()))
 
 
-def repeat_prompts(tokenizer) -> tuple[list[int], list[int], list[int]]:
-    """Token ids of the first chunk's instruction, the later chunks' instruction, and what closes the user
-    turn and opens the assistant's (from the chat template; empty without one). No tokenizer: no prompt,
-    the context is reconstructed as is."""
+class Prompts(NamedTuple):
+    """Token ids around the reconstructed text: the first chunk's instruction, the later chunks', what closes
+    the user turn and opens the assistant's, and the chat template's opening before a user message (a
+    context starting with it is reconstructed without it, as the text itself is what matters)."""
+
+    first: list[int]
+    later: list[int]
+    turn: list[int]
+    opening: list[int]
+
+
+def repeat_prompts(tokenizer) -> Prompts:
+    """The ``Prompts`` of ``tokenizer`` (turn and opening from its chat template, empty without one). No
+    tokenizer: no prompt, the context is reconstructed as is."""
     if tokenizer is None:
-        return [], [], []
-    encode = lambda s: tokenizer(s, add_special_tokens=False).input_ids  # noqa: E731
-    turn = ""
+        return Prompts([], [], [], [])
+    encode = lambda s: tokenizer(s, add_special_tokens=False).input_ids if s else []  # noqa: E731
+    opening = turn = ""
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": _MARK}], tokenize=False, add_generation_prompt=True
         )
-        turn = text.split(_MARK, 1)[1]
-    return encode(REPEAT_FIRST), encode(REPEAT_NEXT), encode(turn) if turn else []
+        opening, turn = text.split(_MARK, 1)
+    return Prompts(encode(REPEAT_FIRST), encode(REPEAT_NEXT), encode(turn), encode(opening))
 
 
-def reconstruction_chunks(context_ids, attention_mask, prompts, chunk: int):
+def reconstruction_chunks(context_ids, attention_mask, prompts: Prompts, chunk: int):
     """Inputs of the reconstruction forwards: per chunk, ids (B, n) and query validity (B, n) or None.
 
-    Each row reconstructs its own real tokens (left padding dropped) ``chunk`` at a time: the instruction
-    (the later ones quote the previous chunk's last ``OVERLAP`` tokens), the turn switch, the chunk.
-    Shorter rows are right-padded with id 0, marked invalid.
+    Each row reconstructs its own real tokens (left padding and the chat opening dropped) ``chunk`` at a
+    time: the instruction (the later ones quote the previous chunk's last ``OVERLAP`` tokens), the turn
+    switch, the chunk. Shorter rows are right-padded with id 0, marked invalid.
     """
-    first, later, turn = prompts
     masks = torch.ones_like(context_ids) if attention_mask is None else attention_mask
     rows = [ids[m.bool()].tolist() for ids, m in zip(context_ids.cpu(), masks.cpu(), strict=True)]
+    n = len(prompts.opening)
+    rows = [r[n:] if n and r[:n] == prompts.opening and len(r) > n else r for r in rows]
     n_chunks = max(-(-len(r) // chunk) for r in rows)
     for i in range(n_chunks):
         pieces = []
         for r in rows:
             body = r[i * chunk : (i + 1) * chunk]
-            head = first if i == 0 else later + r[max(0, i * chunk - OVERLAP) : i * chunk]
-            pieces.append(head + turn + body if body else [])
+            head = prompts.first if i == 0 else prompts.later + r[max(0, i * chunk - OVERLAP) : i * chunk]
+            pieces.append(head + prompts.turn + body if body else [])
         width = max(len(p) for p in pieces)
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         valid = torch.zeros(len(rows), width, dtype=torch.bool)
@@ -103,8 +115,10 @@ def compress_context(model, cache, context_ids, tokenizer=None, attention_mask=N
         for layer in layers:
             layer.end_context_pass(evict=False)
         raise
-    for layer in layers:
-        layer.end_context_pass()
+    from kvcompress.policies.kvzip_budgets import plan
+
+    for layer, keep in zip(layers, plan(layers), strict=True):
+        layer.end_context_pass(keep=keep)
     seconds = time.perf_counter() - start
     return {"context_pass": True, "context_pass_s": seconds, "context_chunks": len(chunks)}
 

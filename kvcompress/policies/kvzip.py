@@ -11,50 +11,18 @@ flagged as not compressed (``metrics.compression``), never reported as a result.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from kvcompress import attention
-from kvcompress.fields import Int
+from kvcompress.fields import Choice, Int
 from kvcompress.policies.base import Shape
 from kvcompress.policies.eviction import EvictionLayer, EvictionPolicy
+from kvcompress.policies.kvzip_scores import cat_validity, max_attention
 
-
-def max_attention(query, key, scaling: float, stored: int, key_valid=None, query_valid=None) -> torch.Tensor:
-    """The most attention any query of a KV group gives each stored key: (B, H_kv, stored) float32.
-
-    Args:
-        query: (B, H, q, D) the reconstruction chunk's queries (after RoPE).
-        key: (B, H_kv, stored + q, D) the stored keys followed by the chunk's own keys.
-        key_valid: (B, 1 or H_kv, stored + q) bool, False for padding keys, or None.
-        query_valid: (B, q) bool, False for the padding that ends a shorter row's chunk, or None.
-    """
-    b, h, q, d = query.shape
-    h_kv, t = key.shape[1], key.shape[2]
-    g = h // h_kv
-    logits = torch.matmul(query.reshape(b, h_kv, g * q, d).float(), key.float().mT).view(b, h_kv, g, q, t)
-    logits.mul_(scaling)
-    kpos = torch.arange(t, device=key.device)
-    allowed = kpos[None, :] <= (stored + torch.arange(q, device=key.device))[:, None]  # (q, T): causal
-    if key_valid is not None:
-        allowed = allowed & key_valid[:, :, None, None, :]  # (B, h, 1, q, T)
-    logits.masked_fill_(~allowed, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)[..., :stored].nan_to_num_(0.0)  # (B, H_kv, g, q, stored)
-    if query_valid is not None:
-        probs.mul_(query_valid[:, None, None, :, None])
-    return probs.amax(dim=(2, 3))
-
-
-def _cat_validity(stored_valid, new_valid, stored: int, b: int, q: int, device):
-    """Validity (B, h, stored + q) of the stored keys then a chunk's keys, or None when all are real."""
-    if stored_valid is None and new_valid is None:
-        return None
-    h = 1 if stored_valid is None else stored_valid.shape[1]
-    if stored_valid is None:
-        stored_valid = torch.ones(b, 1, stored, dtype=torch.bool, device=device)
-    new = torch.ones(b, h, q, dtype=torch.bool, device=device) if new_valid is None else new_valid[:, None]
-    return torch.cat([stored_valid, new.expand(-1, h, -1)], dim=-1)
+SCOPES = ("layer", "model")
 
 
 class KVzipLayer(EvictionLayer):
@@ -95,12 +63,8 @@ class KVzipLayer(EvictionLayer):
         keys, values = self.store.read()  # (B, H_kv, T, D): what the context left, nothing appended
         b, _, q, _ = key_states.shape
         self._pass_queries = attention.new_token_validity(b, q, key_states.device)  # (B, q) or None
-        valid = _cat_validity(self.valid, self._pass_queries, keys.shape[-2], b, q, key_states.device)
-        self._view = (
-            keys.shape[-2] + q,
-            valid,
-            None,
-        )  # causal among the pass's own tokens, after the context
+        valid = cat_validity(self.valid, self._pass_queries, keys.shape[-2], b, q, key_states.device)
+        self._view = (keys.shape[-2] + q, valid, None)  # causal among the pass tokens, after the context
         self._pass_keys = valid
         return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
 
@@ -114,14 +78,24 @@ class KVzipLayer(EvictionLayer):
         if self.pass_scores is None:  # a reconstruction step stored nothing: nothing to flush
             super().end_step()
 
-    def end_context_pass(self, evict: bool = True) -> None:
-        """Evict to the target by the reconstruction scores; the first ``sink_tokens`` real tokens stay.
-        ``evict=False`` (a failed pass) leaves the cache as the prefill left it."""
+    def context_scores(self) -> torch.Tensor:
+        """This pass's scores (B, H_kv, T) for planning: sinks +inf (kept first), padding -inf."""
+        scores = self.pass_scores.clone()
+        scores.masked_fill_(
+            self.first_real(self.policy.sink_tokens, scores.shape[-1], scores.device), math.inf
+        )
+        if self.valid is not None:
+            scores.masked_fill_(~self.valid, -math.inf)
+        return scores
+
+    def end_context_pass(self, evict: bool = True, keep: int | None = None) -> None:
+        """Evict to ``keep`` tokens per head (default: the target) by the reconstruction scores; the first
+        ``sink_tokens`` real tokens stay. ``evict=False`` (a failed pass) leaves the prefill's cache."""
         scores, self.pass_scores = self.pass_scores, None
         self._pass_keys = self._pass_queries = None
         if not evict:
             return
-        k = self.target()
+        k = self.target() if keep is None else keep
         if self.stored_length() > k:
             sinks = self.first_real(self.policy.sink_tokens, scores.shape[-1], scores.device)
             self.select(scores, k, pinned=sinks)
@@ -144,17 +118,28 @@ class KVzipPolicy(EvictionPolicy):
         budget / compression_ratio: see ``EvictionPolicy`` (ratio of the tokens held at the context pass).
         context_chunk: context tokens reconstructed per forward pass.
         sink_tokens: first real tokens always kept.
+        budget_scope: ``layer``: every layer keeps the target in every head; ``model``: the layers share
+            the model's total by one ranking of all pairs (``kvzip_budgets``; the paper's non-uniform
+            budgets, uniform over a layer's heads so nothing is stored masked), so ``budget`` is the mean.
     """
 
     layer_class = KVzipLayer
     evicts = "prefill"  # once, at the context pass after a prefill
     FORMULA = True  # the memory formulas below are this class's own
-    TEST_PARAMS = {"budget": 12, "compression_ratio": None, "context_chunk": 16, "sink_tokens": 2}
-    FUZZ = [{**alt, "context_chunk": (1, 40), "sink_tokens": (0, 6)} for alt in EvictionPolicy.FUZZ]
+    TEST_PARAMS = {"budget": 12, "compression_ratio": None, "context_chunk": 16, "sink_tokens": 2,
+                   "budget_scope": "layer"}  # fmt: skip
+    FUZZ = [
+        {**alt, "context_chunk": (1, 40), "sink_tokens": (0, 6), "budget_scope": list(SCOPES)}
+        for alt in EvictionPolicy.FUZZ
+    ]
 
     context_chunk: int = Int(512, low=1)
     sink_tokens: int = Int(4, low=0)
+    budget_scope: str = Choice("model", SCOPES)
 
-    def kept_tokens(self, s: Shape) -> int:
-        """``compress_context`` after the prefill keeps ``min(n, keep_count(n))``; decode tokens append."""
+    def kept_tokens(self, s: Shape) -> int | None:
+        """``compress_context`` after the prefill keeps ``min(n, keep_count(n))``, decode tokens append; None
+        with ``budget_scope: model`` (each layer's share depends on the scores; the total stays within)."""
+        if self.budget_scope == "model":
+            return None
         return min(s.prefill, self.keep_count(s.prefill)) + s.decode

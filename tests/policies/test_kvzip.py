@@ -4,6 +4,7 @@ reconstruction's tokens never stay; without the pass nothing is evicted and the 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from helpers import held_tensors
 from transformers import DynamicCache
 
 from kvcompress import attention, build_cache, compress_context, make_policy
-from kvcompress.context_pass import needs_context_pass, prefill, reconstruction_chunks
+from kvcompress.context_pass import Prompts, needs_context_pass, prefill, reconstruction_chunks
 from kvcompress.policies import KVzipPolicy
 from kvcompress.policies.base import ModelSpec
 from kvcompress.registry import make_storage
@@ -154,7 +155,7 @@ def test_refusals_name_the_problem(model):
 def test_reconstruction_chunks_quote_the_previous_tokens_and_right_pad_shorter_rows():
     ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])  # row 0 is left-padded: its context is 5 6 7
-    chunks = list(reconstruction_chunks(ids, mask, ([90], [91], [92]), 2))  # first, later, turn switch
+    chunks = list(reconstruction_chunks(ids, mask, Prompts([90], [91], [92], []), 2))
     assert chunks[0][0].tolist() == [[90, 92, 5, 6], [90, 92, 1, 2]] and chunks[0][1] is None
     assert chunks[1][0].tolist() == [[91, 5, 6, 92, 7, 0], [91, 1, 2, 92, 3, 4]]
     assert chunks[1][1].tolist() == [[True] * 5 + [False], [True] * 6]
@@ -204,3 +205,50 @@ def test_tasks_run_the_context_pass_and_flag_a_run_that_never_got_one(char_token
     cfg.update(needle="Magic is 42.", question="Magic?", answer="42")
     case = niah.run(llama, char_tokenizer, policy, cfg)["cases"][0]
     assert case["compressed"] and case["tokens_evicted"] == 3 * (case["context_tokens"] - 12)
+
+
+def test_the_chat_opening_is_not_reconstructed(char_tokenizer):
+    from kvcompress.context_pass import repeat_prompts
+
+    prompts = repeat_prompts(char_tokenizer)
+    assert (
+        char_tokenizer.decode(prompts.opening) == "[user] "
+        and char_tokenizer.decode(prompts.turn) == "\n[assistant] "
+    )
+    ids = torch.tensor([prompts.opening + [40, 41, 42]])
+    ((first, _),) = reconstruction_chunks(ids, None, prompts, 8)
+    assert first[0].tolist() == prompts.first + prompts.turn + [40, 41, 42]
+
+
+def test_shared_budgets_give_concentrated_layers_more_and_fit_the_total():
+    from kvcompress.policies.kvzip_budgets import shared_budgets
+
+    sharp = torch.tensor([[10.0, 9, 8, 7, 0, 0], [0, 0, 0, 0, 0, 5]])  # layer 0: two heads (H_kv, T)
+    flat = torch.tensor([[1.0, 1, 0.5, 0, 0, 0], [1.0, 1, 0.5, 0, 0, 0]])
+    # 2 layers x 2 heads x 3 tokens = 12 pairs; threshold 1 gives sizes 4 and 2: (4 + 2) x 2 = 12
+    assert shared_budgets([sharp, flat], 12) == [4, 2]
+    assert shared_budgets([sharp, flat], 11) == [4, 1]  # 10 fits, 12 does not
+    padded = torch.tensor([[-math.inf, 3.0, 2.0, 1.0]])
+    assert shared_budgets([padded, padded], 4) == [2, 2]
+
+
+@torch.inference_mode()
+def test_model_scope_shares_the_budget_over_layers(model):
+    policy = make_policy("kvzip", **{**KVzipPolicy.TEST_PARAMS, "budget_scope": "model"})
+    cache = build_cache(policy, model)
+    prefill(model, cache, _ids(40))
+    sizes = [layer.stored_length() for layer in cache.layers]
+    assert sum(sizes) <= 3 * 12 and len(set(sizes)) > 1  # within the uniform total, not uniform
+    for layer, n in zip(cache.layers, sizes, strict=True):
+        assert layer.evicted == 40 - n and layer.get_seq_length() == 40
+    assert policy.kept_tokens(None) is None  # no per-layer formula: the shares depend on the scores
+
+
+def test_speed_counts_the_context_pass_in_the_prefill(model):
+    from kvcompress.context_pass import after_prefill
+    from kvcompress.metrics import measure_speed
+
+    make = lambda: build_cache("kvzip", model, **KVzipPolicy.TEST_PARAMS)  # noqa: E731
+    got = measure_speed(model, _ids(40), make, 2, warmup=0, repeats=1, progress=False,
+                        after_prefill=after_prefill(model))  # fmt: skip
+    assert got["cache_bytes_after_decode"] == 3 * 2 * 2 * 14 * 16 * 4  # 12 kept + 2 decoded per layer
