@@ -9,6 +9,7 @@ from kvcompress import build_cache, load_text
 from kvcompress.metrics import decode_perplexity
 from kvcompress.metrics.memory import read_summary
 from kvcompress.policies import LowRankPolicy
+from kvcompress.storage import low_rank_bases as lrb
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -38,9 +39,10 @@ def _error(keys, bases, rank):
 
 def test_reconstruction_error_on_real_keys_falls_with_rank(real_model, essay_ids):
     model, _ = real_model
-    policy = LowRankPolicy(rank=32)
+    policy = LowRankPolicy(rank=32, keys="post_rope", basis="head", key_objective="keys")
     build_cache(policy, model)  # calibrates on the essays' last tokens (evaluation keys: the first ones)
-    keys, bases = _real_keys(model, essay_ids), policy.calibration["key_basis"]
+    bases = lrb.bases(policy.calibration, "keys_post", 1, 64)[0]  # (L, H_kv, D, D) per-head PCA
+    keys = _real_keys(model, essay_ids)
     errors = [_error(keys, bases, r) for r in (4, 8, 16, 32, 48, 64)]
     assert all(a > b for a, b in zip(errors, errors[1:], strict=False))
     assert errors[-1] < 1e-4  # the full basis is orthonormal: exact up to float error
