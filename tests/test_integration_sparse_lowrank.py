@@ -75,3 +75,16 @@ def test_block_evict_keeps_whole_blocks_under_budget_close_to_full(real_model, e
     assert all(s["tokens_stored"] == 47 and s["blocks_stored"] == 6 for s in stats)
     assert cache.memory_bytes() < 0.52 * full_cache.memory_bytes()
     assert full["perplexity"] * 0.9 < evict["perplexity"] < full["perplexity"] * 1.5
+
+
+def test_pre_rope_joint_query_aware_keys_keep_perplexity(real_model, essay_ids):
+    """Rank-32 keys (half the key bytes), values dense: the default (pre-RoPE, joint, query-aware) stays near
+    full; the storage before issue 14 (post-RoPE, per head, plain PCA) does not."""
+    model, _ = real_model
+    ids = essay_ids[:, :128]
+    old = {"keys": "post_rope", "basis": "head", "key_objective": "keys"}
+    ppl = {}
+    for name, kw in {"full": None, "default": {}, "old": old}.items():
+        policy = "full" if kw is None else LowRankPolicy(rank=32, values="dense", **kw)
+        ppl[name] = decode_perplexity(model, ids, build_cache(policy, model), progress=False)["perplexity"]
+    assert ppl["default"] < 1.06 * ppl["full"] and ppl["old"] > 1.3 * ppl["full"], ppl
