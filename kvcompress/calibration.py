@@ -23,8 +23,8 @@ import torch
 from kvcompress.assets import cache_dir
 from kvcompress.calibration_text import RANDOM, calibration_ids
 
-VERSION = 2  # bump when the stored content changes
-MOMENTS = ("keys_post", "keys_pre", "values")
+VERSION = 3  # bump when the stored content changes
+MOMENTS = ("keys_post", "keys_pre", "values", "queries_post", "queries_pre")
 _MEMO: dict[str, dict] = {}
 
 __all__ = ["RANDOM", "calibrate", "calibration_ids", "model_fingerprint", "second_moments"]
@@ -63,16 +63,21 @@ def _ropes(model, num_layers: int):
 
 @torch.inference_mode()
 def second_moments(model, ids: torch.Tensor, chunk: int = 1024) -> dict[str, torch.Tensor | None]:
-    """Joint moments (L, H_kv * D, H_kv * D) float32 of ``MOMENTS`` from one ``full`` pass over ``ids``
-    (``keys_pre`` None when the model's RoPE cannot be inverted)."""
-    from kvcompress.cache import build_cache
+    """Moments of ``MOMENTS`` from one ``full`` pass over ``ids``, float32: keys and values joint over a
+    layer's KV heads (L, H_kv * D, H_kv * D); queries per KV head (L, H_kv, D, D) (``calibration_queries``).
+    ``keys_pre`` is None when the model's RoPE cannot be inverted."""
+    from kvcompress.cache import build_cache, model_spec
+    from kvcompress.calibration_queries import QueryMomentPolicy
 
-    cache = build_cache("full", model)
+    ropes = _ropes(model, model_spec(model).num_layers)
+    cache = build_cache(QueryMomentPolicy(ropes=ropes), model)
     for start in range(0, ids.shape[1], chunk):
         model(ids[:, start : start + chunk].to(model.device), cache=cache, use_cache=True)
-    ropes = _ropes(model, len(cache.layers))
     out = {name: [] for name in MOMENTS}
     for i, layer in enumerate(cache.layers):
+        queries = layer.moments()
+        out["queries_post"].append(queries["post"])
+        out["queries_pre"].append(queries["pre"])
         keys, values = layer.keys[:1], layer.values[:1]  # (1, H_kv, T, D), positions 0..T-1
         out["keys_post"].append(_moment(keys[0]))
         out["values"].append(_moment(values[0]))

@@ -9,6 +9,7 @@ from kvcompress import build_cache, load_text
 from kvcompress.metrics import decode_perplexity
 from kvcompress.metrics.memory import read_summary
 from kvcompress.policies import LowRankPolicy
+from kvcompress.storage import low_rank_bases as lrb
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -38,13 +39,10 @@ def _error(keys, bases, rank):
 
 def test_reconstruction_error_on_real_keys_falls_with_rank(real_model, essay_ids):
     model, _ = real_model
-    policy = LowRankPolicy(rank=32)
+    policy = LowRankPolicy(rank=32, keys="post_rope", basis="head", key_objective="keys")
     build_cache(policy, model)  # calibrates on the essays' last tokens (evaluation keys: the first ones)
-    from kvcompress.storage.low_rank_bases import bases as calibrated_bases
-
-    per_head = calibrated_bases(policy.calibration, "keys_post", 1, keys_dim := 64)[0]  # (L, H_kv, D, D)
-    keys, bases = _real_keys(model, essay_ids), list(per_head)
-    assert per_head.shape[-1] == keys_dim
+    bases = lrb.bases(policy.calibration, "keys_post", 1, 64)[0]  # (L, H_kv, D, D) per-head PCA
+    keys = _real_keys(model, essay_ids)
     errors = [_error(keys, bases, r) for r in (4, 8, 16, 32, 48, 64)]
     assert all(a > b for a, b in zip(errors, errors[1:], strict=False))
     assert errors[-1] < 1e-4  # the full basis is orthonormal: exact up to float error
@@ -77,3 +75,16 @@ def test_block_evict_keeps_whole_blocks_under_budget_close_to_full(real_model, e
     assert all(s["tokens_stored"] == 47 and s["blocks_stored"] == 6 for s in stats)
     assert cache.memory_bytes() < 0.52 * full_cache.memory_bytes()
     assert full["perplexity"] * 0.9 < evict["perplexity"] < full["perplexity"] * 1.5
+
+
+def test_pre_rope_joint_query_aware_keys_keep_perplexity(real_model, essay_ids):
+    """Rank-32 keys (half the key bytes), values dense: the default (pre-RoPE, joint, query-aware) stays near
+    full; the storage before issue 14 (post-RoPE, per head, plain PCA) does not."""
+    model, _ = real_model
+    ids = essay_ids[:, :128]
+    old = {"keys": "post_rope", "basis": "head", "key_objective": "keys"}
+    ppl = {}
+    for name, kw in {"full": None, "default": {}, "old": old}.items():
+        policy = "full" if kw is None else LowRankPolicy(rank=32, values="dense", **kw)
+        ppl[name] = decode_perplexity(model, ids, build_cache(policy, model), progress=False)["perplexity"]
+    assert ppl["default"] < 1.06 * ppl["full"] and ppl["old"] > 1.3 * ppl["full"], ppl

@@ -87,7 +87,12 @@ def test_low_rank_int8_coefficients_with_residual(spec):
     scales = 2 * 3 * projected * 2  # one bf16 scale per token, head and tensor
     residual, bases = 2 * 3 * 64 * 64 * 2, 3 * 64 * 32 * 4  # float32 bases whatever the model dtype
     policy = LowRankPolicy(
-        rank=16, residual_length=64, int8_coefficients=True, basis="head", keys="post_rope"
+        rank=16,
+        residual_length=64,
+        int8_coefficients=True,
+        basis="head",
+        keys="post_rope",
+        key_objective="keys",
     )
     assert predicted_bytes(policy, spec, 1000, BF16) == 30 * (coef + scales + residual + bases)
 
@@ -97,7 +102,8 @@ def test_low_rank_pre_rope_joint_counts_positions_and_joint_bases(spec):
     coef = 3 * projected * (16 + 16)
     scales = 2 * 1 * projected * 2  # one latent (and scale) per token for all 3 KV heads
     positions = 3 * 1000 * 4  # int32 per stored token and head, residual included
-    residual, bases = 2 * 3 * 64 * 64 * 2, 2 * (3 * 64) * (16 * 3) * 4  # (H * D, 3 * rank) per kind
+    residual = 2 * 3 * 64 * 64 * 2
+    bases = 3 * (3 * 64) * (16 * 3) * 4  # (H * D, 3 * rank): a key encoder and decoder, a value basis
     policy = LowRankPolicy(rank=16, residual_length=64, int8_coefficients=True)
     assert predicted_bytes(policy, spec, 1000, BF16) == 30 * (coef + scales + positions + residual + bases)
 
@@ -105,7 +111,7 @@ def test_low_rank_pre_rope_joint_counts_positions_and_joint_bases(spec):
 def test_low_rank_keys_with_int4_values(spec):
     keys = 3 * 1000 * 24 * 2 + 3 * 1000 * 4  # bf16 coefficients (no residual) + positions
     values = make_policy("quant").storage.bytes_for(shape(spec, 1000), 1000) // 2  # KIVI values alone
-    bases = 3 * 64 * 24 * 3 * 4
+    bases = 2 * 3 * 64 * 24 * 3 * 4  # the keys' encoder and decoder (query-aware: key_objective=logits)
     policy = LowRankPolicy(rank=24, values={"name": "quant", "bits": 4})
     assert predicted_bytes(policy, spec, 1000, BF16) == 30 * (keys + values + bases)
 
@@ -119,7 +125,7 @@ def shape(spec, tokens):
 def test_batch_rows_scale_everything_but_bases(spec):
     assert predicted_bytes("full", spec, 300, BF16, batch=4) == 4 * kv_bytes(300)
     one, four = (predicted_bytes(LowRankPolicy(rank=8), spec, 300, BF16, batch=b) for b in (1, 4))
-    assert four - 4 * one == -3 * 30 * 2 * (3 * 64 * 8 * 3) * 4  # the per-layer joint bases are not per row
+    assert four - 4 * one == -3 * 30 * 3 * (3 * 64 * 8 * 3) * 4  # the per-layer joint maps are not per row
 
 
 @dataclass

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from kvcompress.fields import Bool, Choice, Float, Int
 from kvcompress.policies.full import StoragePreset
-from kvcompress.storage.low_rank import SOURCES, LowRankStorage
+from kvcompress.storage.low_rank import OBJECTIVES, SOURCES, LowRankStorage
 from kvcompress.storage.low_rank_bases import BLOCKS
 
 
@@ -27,6 +27,7 @@ class LowRankPolicy(StoragePreset):
     energy: float | None = Float(None, 0, 1, low_open=True, null=True)
     allocation: str = Choice("uniform", ("uniform", "error"))
     keys: str = Choice("pre_rope", tuple(SOURCES))
+    key_objective: str = Choice("logits", OBJECTIVES)
     basis: str = Choice("joint", BLOCKS)
     group_size: int = Int(2, low=1)
     values: object = None

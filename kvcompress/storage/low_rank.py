@@ -20,6 +20,8 @@ from kvcompress.storage.low_rank_store import LowRankStore
 from kvcompress.storage.split import SplitStore
 
 SOURCES = {"pre_rope": "keys_pre", "post_rope": "keys_post"}
+QUERY_WEIGHTS = {"pre_rope": "queries_pre", "post_rope": "queries_post"}
+OBJECTIVES = ("logits", "keys")
 
 
 @dataclass
@@ -32,8 +34,11 @@ class LowRankStorage(LowRankChecks, Storage):
         energy: instead of ``rank``, keep per layer the fewest components holding this share of the
             calibration energy in every block (keys and values chosen separately).
         allocation: ``uniform`` (``rank`` in every layer) or ``error`` (the same total spread over layers to
-            minimise the summed relative reconstruction error measured at calibration).
+            minimise the summed error measured at calibration: squared logit error for keys with
+            ``key_objective=logits``, each layer's share of its energy otherwise).
         keys: ``pre_rope`` (un-rotate, project, rotate back on read) or ``post_rope`` (project rotated keys).
+        key_objective: what the key bases minimise: ``logits`` (the attention-logit error ``q . e`` over the
+            calibration queries, ``kvcompress.calibration_queries``) or ``keys`` (the key error, plain PCA).
         basis: ``head`` (one basis per KV head), ``group`` (per ``group_size`` KV heads) or ``joint`` (one
             over all KV heads of a layer); shared bases need every head to keep the same tokens.
         group_size: KV heads per basis with ``basis=group`` (must divide the model's KV heads).
@@ -87,6 +92,7 @@ class LowRankStorage(LowRankChecks, Storage):
     energy: float | None = Float(None, 0, 1, low_open=True, null=True)
     allocation: str = Choice("uniform", ("uniform", "error"))
     keys: str = Choice("pre_rope", tuple(SOURCES))
+    key_objective: str = Choice("logits", OBJECTIVES)
     basis: str = Choice("joint", lrb.BLOCKS)
     group_size: int = Int(2, low=1)
     values: object = None
@@ -127,16 +133,24 @@ class LowRankStorage(LowRankChecks, Storage):
         return lrb.heads_per_block(self.basis, self.group_size, spec.num_kv_heads)
 
     def layer_bases(self, layer_idx: int, spec: ModelSpec, kinds) -> dict:
-        """Truncated bases (G, g * D, r) of ``kinds`` for one layer."""
+        """(encoder, decoder) of ``kinds`` for one layer, each (G, g * D, r) (one tensor for plain PCA)."""
         calibration = self.calibration  # refuses an uncalibrated storage
         g, out = self.blocks(spec), {}
         for kind in kinds:
-            source = SOURCES[self.keys] if kind == "keys" else "values"
-            basis, eig = lrb.bases(calibration, source, g, spec.head_dim)
+            source, weight = self.moments(kind)
+            enc, dec, eig = lrb.bases(calibration, source, g, spec.head_dim, weight)
             rank = self.rank if kind == "keys" else (self.value_rank or self.rank)
-            ranks = lrb.layer_ranks(eig, g, rank, self.energy, self.allocation)
-            out[kind] = basis[layer_idx, :, :, : ranks[layer_idx]]
+            r = lrb.layer_ranks(eig, g, rank, self.energy, self.allocation, weight is None)[layer_idx]
+            e = enc[layer_idx, ..., :r]
+            out[kind] = (e, e if dec is enc else dec[layer_idx, ..., :r])
         return out
+
+    def moments(self, kind: str) -> tuple[str, str | None]:
+        """Calibration moment of ``kind`` and the query moment weighing its error (None: plain PCA)."""
+        if kind == "values":
+            return "values", None
+        weight = QUERY_WEIGHTS[self.keys] if self.key_objective == "logits" else None
+        return SOURCES[self.keys], weight
 
     def layer(self, layer_idx: int, spec: ModelSpec, kinds=KINDS):
         own = tuple(k for k in kinds if k == "keys" or self.values_storage is None)
@@ -172,11 +186,13 @@ class LowRankStorage(LowRankChecks, Storage):
         return None if None in parts else sum(parts)
 
     def fixed_bytes(self, s: Shape, layer_idx: int) -> int:
-        """The layer's float32 bases (G, g * D, r * g) per projected kind, plus the values storage's own."""
+        """The layer's float32 bases (G, g * D, r * g) per projected kind (keys: an encoder and a decoder with
+        ``key_objective=logits``), plus the values storage's own."""
         if self.energy is not None or self.allocation != "uniform":
             return 0
         g = self.blocks_of(s)
-        ranks = [self.rank] + ([] if self.values_storage else [self.value_rank or self.rank])
+        ranks = [self.rank] * (2 if self.key_objective == "logits" else 1)  # an encoder and a decoder
+        ranks += [] if self.values_storage else [self.value_rank or self.rank]
         own = sum(s.kv_heads * s.head_dim * r * g * 4 for r in ranks)
         return own + (self.values_storage.fixed_bytes(s, layer_idx) if self.values_storage else 0)
 

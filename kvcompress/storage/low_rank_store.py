@@ -27,15 +27,25 @@ def from_blocks(y: torch.Tensor, heads: int) -> torch.Tensor:
     return y.reshape(b, blocks, n, g, gd // g).transpose(2, 3).reshape(b, heads, n, gd // g)
 
 
+def _own(maps: tuple) -> tuple:
+    """Float32 copies with their own storage (not views of the whole calibration); one shared copy when
+    encoder and decoder are the same tensor (plain PCA)."""
+    enc = maps[0].float().clone(memory_format=torch.contiguous_format)
+    same = maps[1] is maps[0]
+    return enc, enc if same else maps[1].float().clone(memory_format=torch.contiguous_format)
+
+
 class LowRankStore(ResidualStore):
     """Coefficients (B, G, T_c, r) per kind (int8 codes plus a scale (B, G, T_c, 1) if asked), the exact
-    residual window (B, H_kv, T_r, D), the layer's bases ``basis[kind]`` (G, g * D, r) float32, and with a
-    ``rope`` the stored tokens' positions (B, H_kv, T) int32."""
+    residual window (B, H_kv, T_r, D), the layer's maps ``encoder[kind]`` / ``decoder[kind]``
+    (G, g * D, r) float32 (one tensor for plain PCA), and with a ``rope`` the stored tokens' positions
+    (B, H_kv, T) int32."""
 
     def __init__(self, config, layer_idx, spec, kinds, bases: dict, rope=None):
         super().__init__(config, layer_idx, spec, kinds)
-        own = torch.contiguous_format  # a copy with its own storage, not a view of the whole calibration
-        self.basis = {kind: bases[kind].float().clone(memory_format=own) for kind in kinds}
+        maps = {kind: _own(bases[kind]) for kind in kinds}
+        self.encoder = {kind: m[0] for kind, m in maps.items()}
+        self.decoder = {kind: m[1] for kind, m in maps.items()}
         self.rope = rope if "keys" in kinds else None
         self.needs_positions = config.keys == "pre_rope" and "keys" in kinds  # also on NoPE layers: bytes
         self.dtype = None  # of the model's keys: coefficients and scales are stored in it
@@ -43,16 +53,17 @@ class LowRankStore(ResidualStore):
     def append(self, keys, values, positions=None) -> None:
         first = keys if "keys" in self.kinds else values
         self.dtype = first.dtype
-        if any(b.device != first.device for b in self.basis.values()):
-            self.basis = {k: b.to(first.device) for k, b in self.basis.items()}
+        if any(t.device != first.device for t in self.fixed_tensors()):
+            for maps in (self.encoder, self.decoder):
+                maps.update({k: t.to(first.device) for k, t in maps.items()})
         super().append(keys, values, positions)
 
     def encode(self, kind, x, valid=None, positions=None):
         x = x.float()
         if kind == "keys" and self.rope is not None:
             x = self.rope.unrotate(x, positions)
-        basis = self.basis[kind]  # (G, g * D, r)
-        coef = to_blocks(x, basis.shape[0]) @ basis  # (B, G, n, r)
+        enc = self.encoder[kind]  # (G, g * D, r)
+        coef = to_blocks(x, enc.shape[0]) @ enc  # (B, G, n, r)
         if not self.config.int8_coefficients:
             return (coef.to(self.dtype),)
         scale = coef.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127
@@ -60,7 +71,7 @@ class LowRankStore(ResidualStore):
 
     def decode(self, kind, parts, out, positions=None):
         coef = parts[0].float() if len(parts) == 1 else parts[0].float() * parts[1].float()
-        x = from_blocks(coef @ self.basis[kind].mT, out.shape[1])  # (B, H_kv, n, D) float32
+        x = from_blocks(coef @ self.decoder[kind].mT, out.shape[1])  # (B, H_kv, n, D) float32
         if kind == "keys" and self.rope is not None:
             x = self.rope.rotate(x, positions)
         return out.copy_(x)
@@ -69,7 +80,7 @@ class LowRankStore(ResidualStore):
         return residual - self.config.residual_length
 
     def fixed_tensors(self):
-        return list(self.basis.values())
+        return list({id(t): t for t in [*self.encoder.values(), *self.decoder.values()]}.values())
 
     # -- readable names (tests, stats) ------------------------------------------------------
     def _part(self, kind: str, i: int):
@@ -80,8 +91,8 @@ class LowRankStore(ResidualStore):
     value_coef = property(lambda self: self._part("values", 0))
     key_scale = property(lambda self: self._part("keys", 1))
     value_scale = property(lambda self: self._part("values", 1))
-    key_basis = property(lambda self: self.basis.get("keys"))
-    value_basis = property(lambda self: self.basis.get("values"))
+    key_basis = property(lambda self: self.encoder.get("keys"))  # coefficients = keys @ key_basis
+    value_basis = property(lambda self: self.encoder.get("values"))
     keys = property(lambda self: self.residual["keys"])
     values = property(lambda self: self.residual["values"])
 
@@ -89,7 +100,7 @@ class LowRankStore(ResidualStore):
         cal, c = self.config.calibration, self.config
         out = {**super().stats(), "keys_mode": c.keys, "basis": c.basis}
         for kind in self.kinds:
-            blocks, n, comps = self.basis[kind].shape  # (G, g * D, r)
+            blocks, n, comps = self.encoder[kind].shape  # (G, g * D, r)
             g = n // self.spec.head_dim
             out[f"{kind[:-1]}_components"] = comps  # per block of g heads
             out[f"{kind[:-1]}_rank"] = comps // g if comps % g == 0 else comps / g  # per KV head

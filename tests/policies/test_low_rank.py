@@ -47,7 +47,9 @@ def _keys_seen(cache, model, tokens, chunk=5):
 
 @pytest.mark.parametrize("keys", ["pre_rope", "post_rope"])
 def test_stores_coefficients_and_exact_residual(keys, llama, tokens, tmp_path):
-    p = policy(tmp_path, rank=3, value_rank=5, residual_length=6, basis="head", keys=keys)
+    p = policy(
+        tmp_path, rank=3, value_rank=5, residual_length=6, basis="head", keys=keys, key_objective="keys"
+    )
     cache = build_cache(p, llama)
     layer, seen, values = _keys_seen(cache, llama, tokens)  # (1, H_kv, 48, D)
     store = layer.store
@@ -70,6 +72,31 @@ def test_stores_coefficients_and_exact_residual(keys, llama, tokens, tmp_path):
     stats = layer.stats()
     assert stats["basis_bytes"] == bases and stats["position_bytes"] == positions
     assert p.storage.bytes_for(_shape(48), 48) + p.storage.fixed_bytes(_shape(48), 0) == expected
+
+
+@pytest.mark.parametrize("keys", ["pre_rope", "post_rope"])
+def test_query_aware_keys_keep_logits_better_than_plain_pca(keys, llama, tokens, tmp_path):
+    """key_objective=logits: encoder/decoder biorthogonal, exact at full rank, smaller q.k error than PCA."""
+    errors = {}
+    for objective in ("logits", "keys"):
+        p = policy(tmp_path, rank=4, basis="head", keys=keys, key_objective=objective)
+        layer, seen, _ = _keys_seen(build_cache(p, llama), llama, tokens)
+        store = layer.store
+        eye = torch.eye(4).expand(2, 4, 4)
+        torch.testing.assert_close(store.encoder["keys"].mT @ store.decoder["keys"], eye, atol=1e-4, rtol=0)
+        q = torch.randn(2, 500, HEAD_DIM) @ _query_scale(p, keys, layer.layer_idx)  # calibration-like queries
+        errors[objective] = float(((store.read()[0] - seen)[0] @ q.mT).square().mean())
+    assert errors["logits"] < errors["keys"]
+    full = build_cache(policy(tmp_path, rank=HEAD_DIM, keys=keys, basis="head"), llama)
+    layer, seen, _ = _keys_seen(full, llama, tokens)
+    torch.testing.assert_close(layer.store.read()[0], seen, atol=2e-5, rtol=1e-4)
+
+
+def _query_scale(p, keys, layer_idx):
+    """A square root (H_kv, D, D) of the calibration's query moment weighing this key mode."""
+    moment = p.calibration["queries_pre" if keys == "pre_rope" else "queries_post"][layer_idx].double()
+    lam, vec = torch.linalg.eigh(moment)
+    return (vec @ torch.diag_embed(lam.clamp(min=0).sqrt()) @ vec.mT).float()
 
 
 def _shape(tokens, batch=1, dtype_bytes=4):
@@ -127,22 +154,25 @@ def test_energy_chooses_the_fewest_components_per_layer(basis, llama, tmp_path):
     p = policy(tmp_path, energy=0.9, basis=basis)
     cache = build_cache(p, llama)
     g = 1 if basis == "head" else 2
-    for kind, source in (("key", "keys_pre"), ("value", "values")):
-        _, eig = bases(p.calibration, source, g, HEAD_DIM)  # (L, G, g * D), decreasing
+    for kind, source, weight in (("key", "keys_pre", "queries_pre"), ("value", "values", None)):
+        _, _, eig = bases(p.calibration, source, g, HEAD_DIM, weight)  # (L, G, g * D), decreasing
         share = eig.cumsum(-1) / eig.sum(-1, keepdim=True)
         for i, stats in enumerate(cache.stats()):
             r = stats[f"{kind}_components"]
             assert (share[i, :, r - 1] >= 0.9 - 1e-6).all() and (r == 1 or (share[i, :, r - 2] < 0.9).any())
 
 
-def test_error_allocation_spreads_the_same_total_with_less_error(llama, tmp_path):
-    uniform = build_cache(policy(tmp_path, rank=4), llama)
-    spread = build_cache(policy(tmp_path, rank=4, allocation="error"), llama)
+@pytest.mark.parametrize("objective", ["logits", "keys"])
+def test_error_allocation_spreads_the_same_total_with_less_error(objective, llama, tmp_path):
+    uniform = build_cache(policy(tmp_path, rank=4, key_objective=objective), llama)
+    spread = build_cache(policy(tmp_path, rank=4, allocation="error", key_objective=objective), llama)
     comps = [[s["key_components"] for s in c.stats()] for c in (uniform, spread)]
     assert comps[0] == [8, 8, 8] and sum(comps[1]) == 24
-    _, eig = bases(spread.policy.calibration, "keys_pre", 2, HEAD_DIM)
-    share = eig / eig.sum(-1, keepdim=True)  # (L, 1, 2D)
-    lost = [sum(float(share[i, 0, r:].sum()) for i, r in enumerate(c)) for c in comps]
+    weight = "queries_pre" if objective == "logits" else None
+    _, _, eig = bases(spread.policy.calibration, "keys_pre", 2, HEAD_DIM, weight)
+    if weight is None:  # plain PCA: each layer's share of its energy; logits: squared logit error as is
+        eig = eig / eig.sum(-1, keepdim=True)
+    lost = [sum(float(eig[i, 0, r:].sum()) for i, r in enumerate(c)) for c in comps]
     assert lost[1] <= lost[0]
     assert predicted_bytes(spread.policy, model_spec(llama), 48, 4) is None  # ranks come from calibration
 
@@ -194,7 +224,10 @@ def test_model_dependent_checks(llama, tmp_path):
 
 def test_int8_coefficients_store_codes_and_scales(llama, tokens, tmp_path):
     cache = build_cache(
-        policy(tmp_path, rank=4, int8_coefficients=True, basis="head", keys="post_rope"), llama
+        policy(
+            tmp_path, rank=4, int8_coefficients=True, basis="head", keys="post_rope", key_objective="keys"
+        ),
+        llama,
     )
     layer, keys, _ = _keys_seen(cache, llama, tokens)
     assert layer.store.key_coef.dtype == layer.store.value_coef.dtype == torch.int8
