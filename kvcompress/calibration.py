@@ -70,7 +70,7 @@ def second_moments(model, ids: torch.Tensor, chunk: int = 1024) -> dict[str, tor
     from kvcompress.calibration_queries import QueryMomentPolicy
 
     ropes = _ropes(model, model_spec(model).num_layers)
-    cache = build_cache(QueryMomentPolicy(ropes=ropes), model)
+    cache = build_cache(QueryMomentPolicy(ropes=ropes, apply_to="all"), model)  # every layer keeps all
     for start in range(0, ids.shape[1], chunk):
         model(ids[:, start : start + chunk].to(model.device), cache=cache, use_cache=True)
     out = {name: [] for name in MOMENTS}
