@@ -1,13 +1,13 @@
 #!/bin/bash
-# Issue 14 measurements, one run at a time (resumable: a run with an ok results.json is skipped).
+# Pre-RoPE low-rank measurements, one run at a time (resumable: a run with an ok results.json is skipped).
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-outputs/issue14}
+OUT=${OUT:-experiments/low_rank_prerope/runs}
 mkdir -p "$OUT"
 run() {
   name=$1; shift
   if [ -f $OUT/$name/results.json ] && grep -q '"status": "ok"' $OUT/$name/results.json; then echo "skip $name"; return; fi
   echo "=== $name $(date +%T)"
-  OMP_NUM_THREADS=1 python -m kvcompress "$@" task.progress=false hydra.run.dir=$OUT/$name > $OUT/$name.log 2>&1
+  OMP_NUM_THREADS=1 ${PYTHON:-.venv/bin/python} -m kvcompress "$@" task.progress=false hydra.run.dir=$OUT/$name > $OUT/$name.log 2>&1
   echo "    done $(date +%T)"
 }
 T="task.max_tokens=1024 task.speed=false"

@@ -4,7 +4,7 @@ Each row: the run, what its low-rank cache stores, perplexity and its ratio to `
 tokens (same ``prefix_tokens``), per-token cache bytes (bases left out) as a share of ``full``'s and per
 token over all layers, and the bases (a per-model constant) apart.
 
-Usage: python experiments/low_rank_prerope/table.py outputs/issue14
+Usage: python experiments/low_rank_prerope/table.py experiments/low_rank_prerope/runs
 """
 
 from __future__ import annotations
