@@ -109,6 +109,7 @@ def test_default_policy_compresses_only_global_layers_and_counts_window_bytes(fa
     for layer, s in zip(cache.layers, cache.stats(), strict=True):
         if layer.window is not None:  # the model's own window: window - 1 tokens after each step
             assert s["selector"] == "model_window" and s["tokens_stored"] == WINDOW - 1 and s["bytes"] > 0
+            assert s["tokens_evicted"] == 0 and s["model_window_dropped"] == IDS.shape[1] - (WINDOW - 1)
         else:
             assert s["selector"] == "h2o" and s["tokens_stored"] == 12  # h2o's small budget
 
@@ -134,3 +135,14 @@ def test_memory_model_counts_the_models_window(family):
             for t in range(40, 48):
                 model(IDS[:, t : t + 1], cache=cache, use_cache=True)
         assert cache.memory_bytes() == predicted_for_model(policy, model, 40, decode_tokens=8)
+
+
+def test_full_on_a_windowed_model_is_not_flagged_as_compressed():
+    """The model's own window drops tokens as transformers' cache does: that is not compression."""
+    from kvcompress.metrics.compression import tokens_evicted
+
+    model = make_family("mistral")
+    cache = build_cache("full", model)
+    stream_logits(model, IDS, cache, 5)
+    assert tokens_evicted(cache) == 0
+    assert sum(s.get("model_window_dropped", 0) for s in cache.stats()) > 0

@@ -23,4 +23,15 @@ class ModelWindowLayer(PolicyLayer):
             self.keep_spans([(total - keep, total)])
 
     def stats(self) -> dict:
-        return {**super().stats(), "selector": "model_window", "model_window": self.window}
+        """What the model's own window dropped is the model's semantics, not compression: it is reported as
+        ``model_window_dropped`` and kept out of ``tokens_evicted`` (so ``full`` on Gemma is not flagged as
+        compressed)."""
+        base = super().stats()
+        dropped = base.pop("tokens_evicted")
+        return {
+            **base,
+            "tokens_evicted": 0,
+            "model_window_dropped": dropped,
+            "selector": "model_window",
+            "model_window": self.window,
+        }
