@@ -1,0 +1,91 @@
+"""Tables and plots from committed result records (``experiments/<name>/runs/*/results.json``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvcompress.registry import CONF_DIR
+from kvcompress.report import _natural_key, flatten, markdown_table
+
+RECORD_COLUMNS = "policy,storage,settings,perplexity,cache_ratio,accuracy"
+
+
+def load_records(root: Path, pattern: str) -> list[dict]:
+    """The ``ok`` records of the run folders matching ``pattern`` (a glob relative to ``root``)."""
+    found = []
+    for run_dir in sorted(root.glob(pattern), key=_natural_key):
+        path = run_dir / "results.json"
+        if not path.is_file():
+            continue
+        record = json.loads(path.read_text())
+        if record.get("status") == "ok":
+            found.append({**record, "run_dir": str(run_dir)})
+    return found
+
+
+def _defaults(group: str, name: str | None) -> dict:
+    from omegaconf import OmegaConf
+
+    path = CONF_DIR / group / f"{name}.yaml"
+    return OmegaConf.to_container(OmegaConf.load(path)) if name and path.is_file() else {}
+
+
+def settings(record: dict) -> str:
+    """The policy and storage fields that differ from their YAML defaults (``budget=512 bits=4``)."""
+    config = record.get("config", {})
+    policy, storage = dict(config.get("policy") or {}), dict(config.get("storage") or {})
+    out = []
+    for fields, defaults in ((policy, _defaults("policy", record.get("policy_name"))),
+                             (storage, _defaults("storage", record.get("storage")))):  # fmt: skip
+        out += [f"{k}={v}" for k, v in fields.items() if k != "_target_" and defaults.get(k, v) != v]
+    return " ".join(out)
+
+
+def row(record: dict) -> dict:
+    """A table row: ``flatten`` plus ``settings``, the run folder's name and the task's length fields."""
+    task = record.get("config", {}).get("task", {})
+    extra = {k: task.get(k) for k in ("max_tokens", "prefix_tokens", "chunk_size", "lengths")}
+    extra["lengths"] = ",".join(map(str, extra["lengths"] or [])) or None
+    return {**extra, **flatten(record), "settings": settings(record), "run": Path(record["run_dir"]).name}
+
+
+def provenance(records: list[dict], pattern: str) -> str:
+    """One line under a table: where the records are and what produced them."""
+    env = [r.get("environment") or {} for r in records]
+    commits = sorted({(e.get("git_commit") or "unknown")[:7] for e in env})
+    threads = sorted({str(e.get("threads")) for e in env})
+    cpus = sorted({(e.get("machine") or {}).get("cpu") or e.get("device") or "?" for e in env})
+    return (
+        f"_{len(records)} records in `{pattern}` (each holds its config); code {', '.join(commits)}; "
+        f"threads {', '.join(threads)}; {', '.join(cpus)}. Regenerate: `make results`._"
+    )
+
+
+def records_block(args: list[str], options: dict, root: Path, md_path: Path) -> str | None:
+    """``records PATTERN [columns=a,b] [pending]``: a table of the matching ok records, or None (drop)."""
+    pattern = args[0]
+    records = load_records(root, pattern)
+    if not records:
+        if "pending" in args:
+            return f"_No records yet in `{pattern}`: run the experiment's `run.sh`, then `make results`._"
+        return None
+    rows = [row(r) for r in records]
+    columns = [c for c in options.get("columns", RECORD_COLUMNS).split(",") if any(c in r for r in rows)]
+    return markdown_table(rows, columns) + "\n\n" + provenance(records, pattern)
+
+
+def pareto_block(args: list[str], options: dict, root: Path, md_path: Path) -> str | None:
+    """``pareto PATTERN out=PATH``: perplexity vs cache bytes of the records, written to PATH (relative to
+    the Markdown file) with 95% bars; the block is the image link. Dropped when the records are gone."""
+    from kvcompress.plots import plot_pareto
+
+    records = load_records(root, args[0])
+    if not records:
+        return None
+    out = md_path.parent / options["out"]
+    if options.get("_write", True):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        plot_pareto([flatten(r) for r in records], out)
+    caption = options.get("alt", "perplexity vs cache bytes")
+    return f"![{caption}]({options['out']})\n\n" + provenance(records, args[0])
