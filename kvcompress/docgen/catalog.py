@@ -68,18 +68,18 @@ def names(group: str) -> list[str]:
 
 
 def _catalog(group: str, wanted, short: bool = False) -> str:
+    from kvcompress.cache import make_policy
+
     rows = []
     for name in names(group):
         if not wanted(name):
             continue
         cls = _target(group, name)
-        rows.append(
-            {
-                group: f"`{name}`",
-                "what it does": first_line(cls, short),
-                "paper": papers(cls, _yaml(group, name)),
-            }
-        )
+        paper = papers(cls, _yaml(group, name))
+        row = {group: f"`{name}`", "what it does": first_line(cls, short), "paper": paper}
+        if group == "policy" and not short:  # at its defaults: never | always (every step) | prefill
+            row["evicts"] = getattr(make_policy(name), "evicts", "")
+        rows.append(row)
     return markdown_table(rows, list(rows[0]))
 
 
@@ -124,9 +124,11 @@ def fields_block(args, options, root: Path, md_path: Path) -> str:
         m = re.match(r"^(\w+):\s*(.*?)\s*(?:#\s*(.*))?$", line)
         if not m or m.group(1) == "_target_" or m.group(1) not in declared:
             continue
-        meaning = (m.group(3) or docs.get(m.group(1), "")).replace("|", "\\|")
+        meaning = (m.group(3) or docs.get(m.group(1), "")).replace("|", "\\|").replace("<", "&lt;")
         rows.append({"field": f"`{m.group(1)}`", "default": f"`{m.group(2)}`",
                      "accepts": allowed(declared[m.group(1)]), "meaning": meaning})  # fmt: skip
+    if not rows:
+        return f"_`{name}` has no fields._"
     return markdown_table(rows, ["field", "default", "accepts", "meaning"])
 
 
