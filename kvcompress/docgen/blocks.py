@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kvcompress.results import PACKAGE_ROOT, write_text_atomic
 
+FENCE = re.compile(r"(^```.*?^```[ \t]*$)", re.M | re.S)
 BLOCK = re.compile(r"<!-- generated: (?P<spec>.*?) -->\n(?P<body>.*?)<!-- /generated -->\n?", re.S)
 
 
@@ -46,6 +47,7 @@ def render(spec: str, root: Path, md_path: Path, write: bool = True) -> str | No
     kinds = {
         "records": records.records_block,
         "pareto": records.pareto_block,
+        "rows": records.rows_block,
         "selectors": catalog.selectors_block,
         "storages": catalog.storages_block,
         "fields": catalog.fields_block,
@@ -70,7 +72,8 @@ def regenerate_text(text: str, root: Path, md_path: Path, report: DocsReport, wr
             return ""
         return f"<!-- generated: {spec} -->\n{body.rstrip()}\n<!-- /generated -->\n"
 
-    return BLOCK.sub(one, text)
+    parts = FENCE.split(text)  # odd parts are fenced code: an example marker there is left alone
+    return "".join(part if i % 2 else BLOCK.sub(one, part) for i, part in enumerate(parts))
 
 
 def regenerate(root: Path = PACKAGE_ROOT, check: bool = False, files: list[Path] | None = None) -> DocsReport:

@@ -28,7 +28,7 @@ def papers(cls, yaml_text: str = "") -> str:
     """The arXiv papers a class's module and YAML cite, as links ("—" when none)."""
     text = (inspect.getmodule(cls).__doc__ or "") + (cls.__doc__ or "") + yaml_text
     ids = list(dict.fromkeys(ARXIV.findall(text)))
-    return ", ".join(f"[{i}](https://arxiv.org/abs/{i})" for i in ids) or "—"
+    return ", ".join(f"[arXiv {i}](https://arxiv.org/abs/{i})" for i in ids) or "—"
 
 
 def first_line(cls, short: bool = False) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvcompress.metrics.stats import interval_fields, wilson
 from kvcompress.registry import CONF_DIR
 from kvcompress.report import _natural_key, flatten, markdown_table
 
@@ -47,7 +48,11 @@ def row(record: dict) -> dict:
     task = record.get("config", {}).get("task", {})
     extra = {k: task.get(k) for k in ("max_tokens", "prefix_tokens", "chunk_size", "lengths")}
     extra["lengths"] = ",".join(map(str, extra["lengths"] or [])) or None
-    return {**extra, **flatten(record), "settings": settings(record), "run": Path(record["run_dir"]).name}
+    out = {**extra, **flatten(record), "settings": settings(record), "run": Path(record["run_dir"]).name}
+    if "accuracy_ci_low" not in out and out.get("cases_total") and out.get("correct") is not None:
+        low, high = wilson(int(out["correct"]), int(out["cases_total"]))  # records older than the field
+        out |= interval_fields("accuracy", low, high)
+    return out
 
 
 def provenance(records: list[dict], pattern: str) -> str:
@@ -82,10 +87,31 @@ def pareto_block(args: list[str], options: dict, root: Path, md_path: Path) -> s
 
     records = load_records(root, args[0])
     if not records:
-        return None
+        return records_block(args, options, root, md_path) if "pending" in args else None
     out = md_path.parent / options["out"]
     if options.get("_write", True):
         out.parent.mkdir(parents=True, exist_ok=True)
-        plot_pareto([flatten(r) for r in records], out)
+        labelled = [{**row(r), "policy": f"{r.get('policy_name')} / {r.get('storage')}"} for r in records]
+        plot_pareto([{**r, "params": r["settings"]} for r in labelled], out)
     caption = options.get("alt", "perplexity vs cache bytes")
     return f"![{caption}]({options['out']})\n\n" + provenance(records, args[0])
+
+
+def rows_block(args: list[str], options: dict, root: Path, md_path: Path) -> str | None:
+    """``rows PATTERN [columns=a,b] [pending]``: the ``rows`` of multi-row records (``bench_quant.py``,
+    ``task=bench``) in the folders matching ``PATTERN``; dropped (or pending) when none exists."""
+    pattern, found = args[0], []
+    for run_dir in sorted(root.glob(pattern), key=_natural_key):
+        path = run_dir / "results.json"
+        if path.is_file():
+            data = json.loads(path.read_text())
+            rows = data.get("rows") or (data.get("metrics") or {}).get("rows") or []
+            found.append(
+                (data, [{k: v for k, v in r.items() if not isinstance(v, (list, dict))} for r in rows])
+            )
+    records = [data for data, rows in found if rows]
+    if not records:
+        return records_block([pattern, *args[1:]], options, root, md_path) if "pending" in args else None
+    rows = [r for _, rs in found for r in rs]
+    columns = [c for c in options.get("columns", ",".join(rows[0])).split(",") if any(c in r for r in rows)]
+    return markdown_table(rows, columns) + "\n\n" + provenance(records, pattern)
