@@ -9,7 +9,7 @@ import math
 import re
 from pathlib import Path
 
-from kvcompress.metrics.stats import compare
+from kvcompress.metrics.stats import compare, compare_paired
 from kvcompress.results import RESULTS_FILE, write_text_atomic
 
 DEFAULT_COLUMNS = [
@@ -100,6 +100,17 @@ def compare_rows(name_a: str, a: dict, name_b: str, b: dict, metric: str = "perp
     span_a, span_b = interval(a, metric) or (None, None), interval(b, metric) or (None, None)
     lower = metric.endswith(("perplexity", "nll")) or (metric.endswith("_s") and not metric.endswith("tok_s"))
     return compare(name_a, (a[metric], *span_a), name_b, (b[metric], *span_b), metric, lower)
+
+
+def compare_records(name_a: str, a: dict, name_b: str, b: dict, metric: str = "perplexity") -> str:
+    """Two records' ``metric``: paired over their text slices when both scored the same slices (perplexity
+    or nll), else by their intervals (``compare_rows``)."""
+    slices = [r.get("metrics", {}).get("slices") or [] for r in (a, b)]
+    same = [[(s["offset_tokens"], s["tokens_scored"]) for s in sl] for sl in slices]
+    if metric in ("perplexity", "nll") and len(same[0]) > 1 and same[0] == same[1]:
+        values = [[s[metric] for s in sl] for sl in slices]
+        return compare_paired(name_a, values[0], name_b, values[1], metric)
+    return compare_rows(name_a, flatten(a), name_b, flatten(b), metric)
 
 
 def csv_text(rows: list[dict]) -> str:

@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvcompress.report import compare_rows, csv_text, flatten, markdown_table, summarize
+from kvcompress.report import compare_records, csv_text, markdown_table, summarize
 from kvcompress.results import load_record
 
 
@@ -34,13 +34,14 @@ def docs(check: bool) -> int:
 
 
 def compare(a: Path, b: Path, metric: str) -> int:
-    """Print one sentence on two runs' ``metric``: "not distinguishable" when the intervals overlap."""
+    """Print one sentence on two runs' ``metric``: paired over their text slices when both scored the same
+    ones, else by their intervals; "not distinguishable" when the difference may be noise."""
     records = [load_record(p) for p in (a, b)]
     for path, record in zip((a, b), records, strict=True):
         if record is None or record.get("status") != "ok":
             print(f"{path}: no ok results.json", file=sys.stderr)
             return 1
-    print(compare_rows(a.name, flatten(records[0]), b.name, flatten(records[1]), metric))
+    print(compare_records(a.name, records[0], b.name, records[1], metric))
     return 0
 
 

@@ -133,3 +133,36 @@ def test_accuracy_metrics_over_cases():
     got = accuracy_metrics([{"correct": c} for c in [True] * 8 + [False] * 2])
     assert got["accuracy"] == 0.8 and got["correct"] == 8 and got["cases_total"] == 10
     assert got["accuracy_ci_low"] == pytest.approx(0.49016, abs=1e-4)
+
+
+def test_paired_comparison_removes_the_spread_between_texts():
+    from kvcompress.metrics.stats import compare_paired
+
+    full, window = [34.9, 32.5, 62.5], [35.4, 33.1, 63.3]  # every slice a little worse, texts far apart
+    assert "not distinguishable" in compare(
+        "window", (43.9, *[43.9 - 41.0, 43.9 + 41.0]), "full", (43.3, 43.3 - 41.0, 43.3 + 41.0)
+    )  # unpaired: the essays' spread hides it
+    said = compare_paired("window", window, "full", full, "perplexity")
+    # differences 0.5, 0.6, 0.8: mean 0.63333, sd 0.15275, t(2) = 4.303: half 0.37948, [0.25385, 1.0128]
+    assert said.startswith("full is better than window on perplexity: paired over 3 slices")
+    assert "window - full = 0.6333 [0.2538, 1.013]" in said
+    said = compare_paired("a", [1.0, 2.0, 3.0], "b", [1.5, 1.5, 3.1], "perplexity")
+    assert "not distinguishable" in said and "includes 0" in said
+    with pytest.raises(ValueError, match="same number"):
+        compare_paired("a", [1.0], "b", [1.0, 2.0])
+
+
+def test_records_are_compared_paired_when_they_scored_the_same_slices():
+    from kvcompress.report import compare_records
+
+    def record(ppls, offsets=(0, 100, 200)):
+        pairs = zip(offsets, ppls, strict=True)
+        slices = [{"offset_tokens": o, "tokens_scored": 9, "perplexity": p} for o, p in pairs]
+        mean = sum(ppls) / len(ppls)
+        metrics = {"perplexity": mean, "perplexity_ci_low": mean - 20, "perplexity_ci_high": mean + 20}
+        return {"metrics": {**metrics, "slices": slices}, "config": {"policy": {}}}
+
+    a, b = record([30.5, 40.6, 60.8]), record([30.0, 40.0, 60.0])
+    assert compare_records("a", a, "b", b).startswith("b is better than a on perplexity: paired")
+    other = record([30.0, 40.0, 60.0], offsets=(0, 50, 200))  # other slices: unpaired, overlapping
+    assert "their 95% intervals overlap" in compare_records("a", a, "c", other)

@@ -84,3 +84,28 @@ def compare(name_a: str, a: tuple, name_b: str, b: tuple, metric: str = "value",
     (wn, wv), (ln, lv) = ((name_a, va), (name_b, vb)) if a_better else ((name_b, vb), (name_a, va))
     word = "lower" if (wv < lv) else "higher"
     return f"{wn} is better than {ln} on {metric}: {wv:.4g} vs {lv:.4g} ({word}; 95% intervals disjoint)"
+
+
+def compare_paired(name_a: str, a: list[float], name_b: str, b: list[float], metric: str = "value",
+                   lower_is_better: bool = True) -> str:  # fmt: skip
+    """One sentence comparing two configs measured on the same samples (the same text slices), by the
+    95% t-interval of the per-sample differences ``a - b``: "not distinguishable" when it contains 0.
+
+    Pairing removes the spread between texts (one essay is harder than another for every policy), which
+    dominates an unpaired interval; use it whenever both runs scored the same slices."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"compare_paired: need the same number of samples ({len(a)} vs {len(b)})")
+    ci = t_interval([x - y for x, y in zip(a, b, strict=True)])
+    mean, low, high, n = ci["mean"], ci["low"], ci["high"], ci["n"]
+    if low is None or low <= 0 <= high:
+        span = "one pair, no interval" if low is None else f"[{low:.4g}, {high:.4g}], which includes 0"
+        return (
+            f"{name_a} and {name_b} are not distinguishable on {metric}: paired over {n} slices, "
+            f"{name_a} - {name_b} = {mean:.4g} {span}"
+        )
+    a_better = (mean < 0) == lower_is_better
+    winner, loser = (name_a, name_b) if a_better else (name_b, name_a)
+    return (
+        f"{winner} is better than {loser} on {metric}: paired over {n} slices, {name_a} - {name_b} = "
+        f"{mean:.4g} [{low:.4g}, {high:.4g}] (95%)"
+    )
