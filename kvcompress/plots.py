@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+from kvcompress.metrics.stats import wilson
 from kvcompress.report import flatten, interval
 
 SCORE_KEYS = ("score", "correct", "exact_match", "accuracy", "acc")
@@ -122,9 +123,18 @@ def plot_niah(records: list[dict], path: Path) -> Path | None:
                 ax.text(j, i, "" if v is None else f"{v:.2f}", ha="center", va="center", fontsize=7)
         ax.set_xticks(range(len(lengths)), [f"{n:g}" for n in lengths])
         ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
-        ax.set(xlabel="context length", ylabel="needle depth", title=name)
+        ax.set(xlabel="context length", ylabel="needle depth", title=name + _wilson_note(cells))
         ax.title.set_fontsize(7)
     return _save(fig, plt, path)
+
+
+def _wilson_note(cells: dict) -> str:
+    """``"\n7/10 correct, 95% [0.40, 0.89]"`` when every score is 0 or 1, else nothing."""
+    scores = [v for values in cells.values() for v in values]
+    if not scores or any(v not in (0.0, 1.0) for v in scores):
+        return ""
+    k, n = int(sum(scores)), len(scores)
+    return "\n{}/{} correct, 95% [{:.2f}, {:.2f}]".format(k, n, *wilson(k, n))
 
 
 def _mean(values):

@@ -144,3 +144,11 @@ def test_a_marker_inside_a_code_fence_is_an_example_not_a_block(tmp_path):
     doc = "```markdown\n<!-- generated: records experiments/none/* -->\n<!-- /generated -->\n```\n"
     report = DocsReport()
     assert regenerate_text(doc, tmp_path, tmp_path / "a.md", report) == doc and report.blocks == 0
+
+
+def test_niah_heatmap_titles_carry_a_wilson_interval():
+    from kvcompress.plots import _wilson_note
+
+    cells = {(0.0, 256.0): [1.0, 1.0, 1.0, 1.0], (50.0, 256.0): [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]}
+    assert _wilson_note(cells) == "\n8/10 correct, 95% [0.49, 0.94]"
+    assert _wilson_note({(0.0, 1.0): [0.5]}) == ""  # not a 0/1 score: no interval claimed
