@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 RUN_DIR ?= multirun/make-run
 
-.PHONY: install run test test-fast lint bench bench-quant clean
+.PHONY: install run test test-fast lint bench bench-quant results clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,10 @@ bench: install
 
 bench-scores: install
 	$(BIN)/python benchmarks/score_capture.py
+
+# Every results table in README.md, docs/ and experiments/*/README.md, regenerated from committed records.
+results: install
+	$(BIN)/python scripts/collect.py --docs
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -22,7 +22,7 @@ from kvcompress.cache import make_policy
 from kvcompress.loggers import make_logger
 from kvcompress.models import load_model
 from kvcompress.report import flatten, markdown_table
-from kvcompress.results import RESULTS_FILE, code_version, environment, write_json_atomic
+from kvcompress.results import RESULTS_FILE, code_version, command_line, environment, write_json_atomic
 from kvcompress.sweep import completed_record
 
 
@@ -73,6 +73,16 @@ def _execute(cfg: DictConfig, record: dict, out_dir: Path) -> dict:
     return task(model, tok, policy, cfg.task, **extra)
 
 
+def _hydra_overrides() -> list[str] | None:
+    """This run's command-line overrides from Hydra (None outside a Hydra app)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return list(HydraConfig.get().overrides.task)
+    except (ImportError, ValueError):
+        return None
+
+
 def run_experiment(cfg: DictConfig, out_dir: Path, raise_errors: bool = True) -> dict:
     """Run ``cfg`` and write its record to ``out_dir/results.json`` (a failure record on error).
 
@@ -85,6 +95,7 @@ def run_experiment(cfg: DictConfig, out_dir: Path, raise_errors: bool = True) ->
         print(f"[kvcompress] skipped {out_dir}: results.json is ok for this config (resume=false reruns)")
         return done
     record, error, start = {"status": "running", "config": config, "code_version": version}, None, time.time()
+    record["command"] = command_line(overrides=_hydra_overrides())
     write_json_atomic(out_dir / RESULTS_FILE, record)  # a killed run leaves status=running: redone on resume
     try:
         record["metrics"] = _execute(cfg, record, out_dir)

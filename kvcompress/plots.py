@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from kvcompress.report import flatten
+from kvcompress.metrics.stats import wilson
+from kvcompress.report import flatten, interval
 
 SCORE_KEYS = ("score", "correct", "exact_match", "accuracy", "acc")
 
@@ -61,15 +62,25 @@ def plot_pareto(rows: list[dict], path: Path) -> Path | None:
     for r in rows:
         by_policy[r["policy"]].append(r)
     for policy, group in sorted(by_policy.items()):
-        ax.scatter([r["cache_bytes"] / 2**20 for r in group], [r[key] for r in group], label=policy, s=36)
+        xs, ys = [r["cache_bytes"] / 2**20 for r in group], [r[key] for r in group]
+        points = ax.scatter(xs, ys, label=policy, s=36)
+        _error_bars(ax, xs, ys, [interval(r, key) for r in group], points.get_facecolor()[0])
         for r, text in zip(group, varying_params(group), strict=True):
             ax.annotate(text, (r["cache_bytes"] / 2**20, r[key]), fontsize=7, alpha=0.8)
     front = pareto_front([(r["cache_bytes"] / 2**20, r[key]) for r in rows])
     ax.plot(*zip(*front, strict=True), "k--", lw=1, label="Pareto front")
-    ax.set(xscale="log", xlabel="cache MiB (log)", ylabel=key, title=f"{key} vs cache bytes")
+    title = f"{key} vs cache bytes" + (" (bars: 95% interval)" if any(interval(r, key) for r in rows) else "")
+    ax.set(xscale="log", xlabel="cache MiB (log)", ylabel=key, title=title)
     _log_ticks(ax, sorted({r["cache_bytes"] / 2**20 for r in rows}))
     ax.legend(fontsize=8)
     return _save(fig, plt, path)
+
+
+def _error_bars(ax, xs, ys, spans, color) -> None:
+    """Vertical bars for the points that carry an interval (95% or interquartile); none for the rest."""
+    for x, y, span in zip(xs, ys, spans, strict=True):
+        if span is not None:
+            ax.errorbar([x], [y], yerr=[[y - span[0]], [span[1] - y]], fmt="none", ecolor=color, capsize=3)
 
 
 def _log_ticks(ax, values: list[float]) -> None:
@@ -112,9 +123,18 @@ def plot_niah(records: list[dict], path: Path) -> Path | None:
                 ax.text(j, i, "" if v is None else f"{v:.2f}", ha="center", va="center", fontsize=7)
         ax.set_xticks(range(len(lengths)), [f"{n:g}" for n in lengths])
         ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
-        ax.set(xlabel="context length", ylabel="needle depth", title=name)
+        ax.set(xlabel="context length", ylabel="needle depth", title=name + _wilson_note(cells))
         ax.title.set_fontsize(7)
     return _save(fig, plt, path)
+
+
+def _wilson_note(cells: dict) -> str:
+    """``"\n7/10 correct, 95% [0.40, 0.89]"`` when every score is 0 or 1, else nothing."""
+    scores = [v for values in cells.values() for v in values]
+    if not scores or any(v not in (0.0, 1.0) for v in scores):
+        return ""
+    k, n = int(sum(scores)), len(scores)
+    return "\n{}/{} correct, 95% [{:.2f}, {:.2f}]".format(k, n, *wilson(k, n))
 
 
 def _mean(values):
@@ -131,14 +151,20 @@ def plot_speed(records: list[dict], path: Path) -> Path | None:
     for record in records:
         tok_s, context = record.get("metrics", {}).get("decode_tok_s"), _context(record)
         if tok_s and context:
-            lines[label(flatten(record))].append((context, tok_s))
+            row = flatten(record)
+            lines[label(row)].append((context, tok_s, interval(row, "decode_tok_s")))
     if not lines:
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, points in sorted(lines.items()):
-        ax.plot(*zip(*sorted(points), strict=True), "o-", label=name)
-    ax.set(xlabel="context tokens (prompt)", ylabel="decode tokens/s", title="decode speed vs context length")
+        points = sorted(points, key=lambda p: p[0])
+        (line,) = ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=name)
+        _error_bars(
+            ax, [p[0] for p in points], [p[1] for p in points], [p[2] for p in points], line.get_color()
+        )
+    title = "decode speed vs context length (median, bars: interquartile range)"
+    ax.set(xlabel="context tokens (prompt)", ylabel="decode tokens/s", title=title)
     ax.legend(fontsize=7)
     return _save(fig, plt, path)
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import re
 from pathlib import Path
 
+from kvcompress.metrics.stats import compare, compare_paired
 from kvcompress.results import RESULTS_FILE, write_text_atomic
 
 DEFAULT_COLUMNS = [
@@ -56,11 +58,59 @@ def columns_for(rows: list[dict]) -> list[str]:
     return [c for c in DEFAULT_COLUMNS if c in present] + extra
 
 
+def interval(row: dict, column: str) -> tuple[float, float] | None:
+    """The 95% interval (``<column>_ci_low/_high``) or interquartile range (``<column>_q1/_q3``) a row
+    carries for ``column``, or None."""
+    for low, high in (("_ci_low", "_ci_high"), ("_q1", "_q3")):
+        a, b = row.get(column + low), row.get(column + high)
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+            return a, b
+    return None
+
+
+def cell(row: dict, column: str) -> str:
+    """A table cell: the value, then ``± half`` for a symmetric interval, ``[low, high]`` for an asymmetric
+    one (Wilson) and ``(IQR low-high)`` for a speed's interquartile range."""
+    value, span = row.get(column), interval(row, column)
+    if span is None or not isinstance(value, (int, float)):
+        return _fmt(value)
+    low, high = span
+    if column + "_q1" in row:
+        return f"{_fmt(value)} (IQR {_fmt(low)}-{_fmt(high)})"
+    if math.isclose(high - value, value - low, rel_tol=1e-6, abs_tol=1e-12):
+        return f"{_fmt(value)} ± {_fmt(high - value)}"
+    return f"{_fmt(value)} [{_fmt(low)}, {_fmt(high)}]"
+
+
 def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
+    """Rows as a Markdown table; a column with an interval in the row shows it in the same cell."""
     columns = columns or columns_for(rows)
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    lines += ["| " + " | ".join(cell(r, c) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def compare_rows(name_a: str, a: dict, name_b: str, b: dict, metric: str = "perplexity") -> str:
+    """One sentence on two table rows' ``metric`` (lower is better for perplexity and nll, higher for
+    accuracies and speeds): "not distinguishable" when their intervals overlap or one is missing."""
+    if a.get(metric) is None or b.get(metric) is None:
+        raise ValueError(
+            f"compare: both rows need a {metric!r} value (have {a.get(metric)}, {b.get(metric)})"
+        )
+    span_a, span_b = interval(a, metric) or (None, None), interval(b, metric) or (None, None)
+    lower = metric.endswith(("perplexity", "nll")) or (metric.endswith("_s") and not metric.endswith("tok_s"))
+    return compare(name_a, (a[metric], *span_a), name_b, (b[metric], *span_b), metric, lower)
+
+
+def compare_records(name_a: str, a: dict, name_b: str, b: dict, metric: str = "perplexity") -> str:
+    """Two records' ``metric``: paired over their text slices when both scored the same slices (perplexity
+    or nll), else by their intervals (``compare_rows``)."""
+    slices = [r.get("metrics", {}).get("slices") or [] for r in (a, b)]
+    same = [[(s["offset_tokens"], s["tokens_scored"]) for s in sl] for sl in slices]
+    if metric in ("perplexity", "nll") and len(same[0]) > 1 and same[0] == same[1]:
+        values = [[s[metric] for s in sl] for sl in slices]
+        return compare_paired(name_a, values[0], name_b, values[1], metric)
+    return compare_rows(name_a, flatten(a), name_b, flatten(b), metric)
 
 
 def csv_text(rows: list[dict]) -> str:

@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -80,6 +81,32 @@ def code_version(root: Path = PACKAGE_ROOT, package: str = "kvcompress") -> dict
     return {"commit": commit, "dirty_hash": _dirty_hash(root, package) if commit else None}
 
 
+def machine() -> dict:
+    """The hardware a number came from: CPU model, logical cores and memory (no host name)."""
+    info = {"processor": platform.machine(), "cpu_count": os.cpu_count()}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        info["cpu"] = next(
+            ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        info["cpu"] = platform.processor() or None
+    try:
+        info["memory_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        info["memory_bytes"] = None
+    return info
+
+
+def command_line(argv: list[str] | None = None, overrides: list[str] | None = None) -> str:
+    """The one command that reruns this record: ``kvcompress`` with the run's own overrides when Hydra
+    gave them (in a sweep, this run's point, not the whole sweep), else the process's arguments."""
+    import shlex
+
+    args = overrides if overrides is not None else list(sys.argv[1:] if argv is None else argv)
+    return " ".join(["kvcompress", *(shlex.quote(a) for a in args)])
+
+
 def environment(model=None) -> dict:
     """Versions, commit, device and threads: what is needed to reproduce a number."""
     import transformers
@@ -94,6 +121,8 @@ def environment(model=None) -> dict:
         "platform": platform.platform(),
         "git_commit": git_commit(),
         "threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "machine": machine(),
     }
     if model is not None:
         env["device"] = str(model.device)

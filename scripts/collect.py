@@ -1,9 +1,14 @@
-"""Collect the results.json records under a run or sweep folder into one table and PNG plots.
+"""Collect the results.json records under a run or sweep folder into one table and PNG plots; regenerate
+every results table in the docs (``--docs``); compare two runs (``--compare``).
 
-Usage: python scripts/collect.py multirun/<sweep> [--out DIR] [--csv out.csv] [--no-plots]
+Usage:
+    python scripts/collect.py multirun/<sweep> [--out DIR] [--csv out.csv] [--no-plots] [--columns a,b]
+    python scripts/collect.py --docs [--check]        # = make results; --check: only report differences
+    python scripts/collect.py --compare RUN_A RUN_B [--metric perplexity]
 
-Writes summary.md, summary.csv, pareto.png (perplexity vs cache bytes), niah_heatmap.png (depth x
-length per policy) and decode_speed.png (decode tokens/s vs context) where the records hold the data.
+Writes summary.md, summary.csv, pareto.png (perplexity vs cache bytes, 95% bars), niah_heatmap.png (depth x
+length per policy) and decode_speed.png (decode tokens/s vs context, interquartile bars) where the records
+hold the data. Cells show 95% intervals (perplexity: t over text slices; accuracy: Wilson) and speed IQRs.
 """
 
 from __future__ import annotations
@@ -12,17 +17,52 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvcompress.report import csv_text, markdown_table, summarize
+from kvcompress.report import compare_records, csv_text, markdown_table, summarize
+from kvcompress.results import load_record
+
+
+def docs(check: bool) -> int:
+    """Regenerate (or check) every generated block of the README, docs/ and experiment READMEs."""
+    from kvcompress.docgen import regenerate
+
+    report = regenerate(check=check)
+    for spec in report.dropped:
+        print(f"dropped (its records are gone): {spec}", file=sys.stderr)
+    verb = "differ from their records" if check else "rewritten"
+    print(f"{report.blocks} generated blocks; {len(report.changed)} files {verb}: {report.changed}")
+    return 1 if check and report.changed else 0
+
+
+def compare(a: Path, b: Path, metric: str) -> int:
+    """Print one sentence on two runs' ``metric``: paired over their text slices when both scored the same
+    ones, else by their intervals; "not distinguishable" when the difference may be noise."""
+    records = [load_record(p) for p in (a, b)]
+    for path, record in zip((a, b), records, strict=True):
+        if record is None or record.get("status") != "ok":
+            print(f"{path}: no ok results.json", file=sys.stderr)
+            return 1
+    print(compare_records(a.name, records[0], b.name, records[1], metric))
+    return 0
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("root", type=Path, help="run or sweep folder holding results.json files")
+    parser.add_argument("root", type=Path, nargs="?", help="run or sweep folder holding results.json files")
     parser.add_argument("--out", type=Path, help="where to write the table and plots (default: root)")
     parser.add_argument("--csv", type=Path, help="also write the rows as CSV to this file")
     parser.add_argument("--no-plots", action="store_true", help="tables only")
     parser.add_argument("--columns", help="comma-separated columns for the printed table")
+    parser.add_argument("--docs", action="store_true", help="regenerate every results table in the docs")
+    parser.add_argument("--check", action="store_true", help="with --docs: report differences, write nothing")
+    parser.add_argument("--compare", type=Path, nargs=2, metavar=("RUN_A", "RUN_B"), help="compare two runs")
+    parser.add_argument("--metric", default="perplexity", help="with --compare (default: perplexity)")
     args = parser.parse_args(argv)
+    if args.docs:
+        return docs(args.check)
+    if args.compare:
+        return compare(*args.compare, args.metric)
+    if args.root is None:
+        parser.error("give a run or sweep folder, --docs or --compare")
     summary = summarize(args.root, args.out, plots=not args.no_plots)
     if summary is None:
         print(f"no results.json under {args.root}", file=sys.stderr)

@@ -1,6 +1,7 @@
 """One Markdown table of retrieval accuracy (niah / passkey) from the results.json records under folders.
 
-Rows: policy, its parameters, question mode, correct / total and accuracy per depth (all lengths pooled).
+Rows: policy, its parameters, question mode, correct / total, accuracy with its 95% Wilson interval, and
+Y/n per case at each depth (all lengths and needles pooled).
 
 Usage: python scripts/retrieval_table.py multirun/niah-2k-full multirun/niah-2k-evict ...
 """
@@ -11,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from kvcompress.metrics.stats import wilson
 from kvcompress.report import collect, flatten
 
 SKIP = {"_target_", "policy"}
@@ -30,11 +32,13 @@ def rows(records: list[dict]) -> list[dict]:
         by_depth = {}
         for case in metrics["cases"]:
             by_depth.setdefault(case["depth"], []).append(case["correct"])
+        k, n = metrics["correct"], metrics["cases_total"]
         row = {
             "policy": flatten(record)["policy"],
             "params": _params(record),
             "question_in_prompt": metrics["question_in_prompt"],
-            "correct": f"{metrics['correct']}/{metrics['cases_total']}",
+            "correct": f"{k}/{n}",
+            "accuracy (95% Wilson)": "{:.2f} [{:.2f}, {:.2f}]".format(k / n, *wilson(k, n)),
         }
         row.update({f"{d:g}%": "".join("Y" if c else "n" for c in v) for d, v in sorted(by_depth.items())})
         out.append(row)

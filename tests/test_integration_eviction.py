@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 def _cfg(**over):
     cfg = OmegaConf.load("conf/task/niah.yaml")
-    cfg.update(lengths=[1024], depths=[50], progress=False, **over)
+    cfg.update(lengths=[1024], depths=[50], progress=False, extra_needles=[], **over)
     return cfg
 
 
@@ -40,6 +40,13 @@ def test_cli_niah_writes_cases_table_and_heatmap(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     record = json.loads((tmp_path / "results.json").read_text())
     cases = record["metrics"]["cases"]
-    assert record["status"] == "ok" and [c["depth"] for c in cases] == [0.0, 100.0]
-    assert len((tmp_path / "niah_cases.jsonl").read_text().splitlines()) == 2
+    # the default grid has two needles: each depth twice
+    assert record["status"] == "ok" and [(c["depth"], c["needle"]) for c in cases] == [
+        (0.0, 0),
+        (0.0, 1),
+        (100.0, 0),
+        (100.0, 1),
+    ]
+    assert len((tmp_path / "niah_cases.jsonl").read_text().splitlines()) == 4
+    assert 0 <= record["metrics"]["accuracy_ci_low"] <= record["metrics"]["accuracy"]
     assert (tmp_path / "niah_table.md").exists() and (tmp_path / "niah_heatmap.png").stat().st_size > 0

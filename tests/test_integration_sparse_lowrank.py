@@ -79,7 +79,7 @@ def test_block_evict_keeps_whole_blocks_under_budget_close_to_full(real_model, e
 
 def test_pre_rope_joint_query_aware_keys_keep_perplexity(real_model, essay_ids):
     """Rank-32 keys (half the key bytes), values dense: the default (pre-RoPE, joint, query-aware) stays near
-    full; the storage before issue 14 (post-RoPE, per head, plain PCA) does not."""
+    full; the earlier storage (post-RoPE, per head, plain PCA) does not."""
     model, _ = real_model
     ids = essay_ids[:, :128]
     old = {"keys": "post_rope", "basis": "head", "key_objective": "keys"}

@@ -27,7 +27,7 @@ def _ppl_cfg(tmp_path, **over):
     path = tmp_path / "text.txt"
     path.write_text(TEXT)
     cfg = OmegaConf.load("conf/task/perplexity.yaml")
-    cfg.update(text=str(path), max_tokens=48, speed=False, progress=False, **over)
+    cfg.update(text=str(path), max_tokens=48, slices=1, speed=False, progress=False, **over)
     return cfg
 
 
@@ -93,7 +93,9 @@ def _niah_cfg(tmp_path):
     path.write_text(TEXT * 2)
     cfg = OmegaConf.load("conf/task/niah.yaml")
     cfg.update(text=str(path), lengths=[100], depths=[50], max_new_tokens=3, progress=False)
-    cfg.update(needle="Magic is 42.", question="Magic?", answer="42", question_in_prompt=True)
+    cfg.update(
+        needle="Magic is 42.", question="Magic?", answer="42", question_in_prompt=True, extra_needles=[]
+    )
     return cfg
 
 

@@ -24,8 +24,8 @@ def _cfg(checkpoint, tmp, *overrides):
         return compose(
             "config",
             overrides=[
-                "model=hf", f"model.name={checkpoint}", "task.max_tokens=40", "task.speed=false",
-                "task.progress=false", f"task.text={tmp / 'essays.txt'}", *overrides,
+                "model=hf", f"model.name={checkpoint}", "task.max_tokens=40", "task.slices=1",
+                "task.speed=false", "task.progress=false", f"task.text={tmp / 'essays.txt'}", *overrides,
             ],
         )  # fmt: skip
 

@@ -44,6 +44,16 @@ def test_record_carries_the_code_version(tmp_path, tiny_checkpoint, calls, monke
     assert load_record(tmp_path / "run")["code_version"] == V1
 
 
+def test_record_holds_command_machine_and_threads(tmp_path, tiny_checkpoint, calls, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(app, "_hydra_overrides", lambda: ["policy=h2o", "task.note=a b"])
+    record = _run(tiny_checkpoint, tmp_path / "run")
+    assert record["command"] == "kvcompress policy=h2o 'task.note=a b'"
+    env = record["environment"]
+    assert env["omp_num_threads"] == "1" and env["threads"] >= 1
+    assert env["machine"]["cpu_count"] >= 1 and "cpu" in env["machine"]
+
+
 @pytest.mark.parametrize(
     ("resume", "second_version", "reruns", "says"),
     [

@@ -20,7 +20,7 @@ def niah_cfg(tmp_path, **over):
     path.write_text(TEXT)
     base = OmegaConf.load("conf/task/niah.yaml")
     base.update(text=str(path), lengths=[80, 120], depths=[0, 50, 100], max_new_tokens=4, progress=False)
-    base.update(needle="Magic is 42.", question="Magic?", answer="42", **over)
+    base.update(needle="Magic is 42.", question="Magic?", answer="42", extra_needles=[], **over)
     return base
 
 

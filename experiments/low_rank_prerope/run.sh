@@ -15,7 +15,7 @@ P="task.max_tokens=2048 task.prefix_tokens=1024 task.speed=false"
 Q4R32='policy.values={name:quant,bits:4,residual_length:32}'
 Q4R64='policy.values={name:quant,bits:4,residual_length:64}'
 D='policy.values=dense'
-OLD="policy.keys=post_rope policy.basis=head policy.key_objective=keys"  # the storage before issue 14
+OLD="policy.keys=post_rope policy.basis=head policy.key_objective=keys"  # the storage before pre-RoPE joint bases
 run full policy=full $T
 run pre_joint_keys_k31_vdense policy=low_rank policy.rank=31 policy.key_objective=keys $D $T
 run post_head_keys_k32_vdense policy=low_rank policy.rank=32 $OLD $D $T

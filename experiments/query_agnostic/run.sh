@@ -10,9 +10,11 @@ R=experiments/query_agnostic/runs
 run() { local name=$1; shift; [ -f "$R/$name/results.json" ] && grep -q '"status": "ok"' "$R/$name/results.json" && return 0
   echo "=== $name $(date +%T)"; OMP_NUM_THREADS=1 $K "$@" task.progress=false hydra.run.dir="$R/$name" > /dev/null; }
 N4=(task=niah "task.needle='The special magic number is 7392.'" "task.question='What is the special magic number?'"
-  task.answer=7392 "task.answer_prefix='The special magic number is'" task.question_in_prompt=false)
+  task.answer=7392 "task.answer_prefix='The special magic number is'" task.question_in_prompt=false
+  "task.extra_needles=[]")  # one needle: the digits are the point
 N5=(task=niah "task.needle='The special magic number is 73925.'" "task.question='What is the special magic number?'"
-  task.answer=73925 "task.answer_prefix='The special magic number is'" task.question_in_prompt=true)
+  task.answer=73925 "task.answer_prefix='The special magic number is'" task.question_in_prompt=true
+  "task.extra_needles=[]")
 for L in 2048 4096; do
   run niah4_full_$L policy=full "${N4[@]}" task.lengths=[$L]
   for r in 0.5 0.75; do

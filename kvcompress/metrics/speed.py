@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
 from tqdm.auto import tqdm
+
+from kvcompress.metrics.stats import median_iqr
 
 
 def _sync(device) -> None:
@@ -35,7 +36,8 @@ def measure_speed(
     model, input_ids, make_cache, decode_tokens: int = 32, warmup: int = 1, repeats: int = 3, progress=True,
     after_prefill=None,
 ):  # fmt: skip
-    """Median prefill seconds, prefill and decode tokens/s over ``repeats`` runs after ``warmup`` runs.
+    """Median prefill seconds, prefill and decode tokens/s with their interquartile range (``*_q1``,
+    ``*_q3``) over ``repeats`` runs after ``warmup`` runs.
 
     Args:
         input_ids: prompt (B, P) on the model's device.
@@ -48,13 +50,18 @@ def measure_speed(
         if i >= warmup:
             prefill.append(p)
             decode.append(d)
-    p, d = statistics.median(prefill), statistics.median(decode)
-    n = input_ids.shape[0]
+    n, p, d = input_ids.shape[0], median_iqr(prefill), median_iqr(decode)
+    prefill_rate = lambda s: n * input_ids.shape[1] / s  # noqa: E731
+    decode_rate = lambda s: n * decode_tokens / s if decode_tokens else float("nan")  # noqa: E731
     return {
         "prompt_tokens": input_ids.shape[1],
-        "prefill_s": p,
-        "prefill_tok_s": n * input_ids.shape[1] / p,
-        "decode_tok_s": n * decode_tokens / d if decode_tokens else float("nan"),
+        "prefill_s": p["median"],
+        "prefill_tok_s": prefill_rate(p["median"]),
+        "prefill_tok_s_q1": prefill_rate(p["q3"]),  # the slower quartile of times is the lower rate
+        "prefill_tok_s_q3": prefill_rate(p["q1"]),
+        "decode_tok_s": decode_rate(d["median"]),
+        "decode_tok_s_q1": decode_rate(d["q3"]),
+        "decode_tok_s_q3": decode_rate(d["q1"]),
         "decode_tokens": decode_tokens,
         "speed_repeats": repeats,
         "cache_bytes_after_decode": cache.memory_bytes() if hasattr(cache, "memory_bytes") else None,

@@ -50,7 +50,14 @@ class EvictionPolicy(Policy):
     """Base of eviction policies: one of ``budget`` (tokens kept per layer and head) or
     ``compression_ratio`` (fraction of the tokens seen that is removed, in [0, 1); 0.5 if neither is set).
     ``unit``: ``token`` keeps the best tokens; ``chunk`` keeps whole chunks of ``chunk_size`` consecutive
-    tokens ranked by their summed scores (ChunkKV, Liu et al., arXiv 2502.00299)."""
+    tokens ranked by their summed scores (ChunkKV, Liu et al., arXiv 2502.00299).
+
+    Args:
+        budget: tokens kept per layer and KV head; null: use compression_ratio.
+        compression_ratio: fraction of the tokens seen that is removed, in [0, 1).
+        unit: token: keep the best tokens; chunk: keep whole chunks by their summed scores.
+        chunk_size: consecutive tokens per chunk when unit is chunk.
+    """
 
     evicts = "always"
     FUZZ = BUDGET_FUZZ

@@ -21,6 +21,7 @@ from kvcompress.guard import check_fits
 from kvcompress.memory_model import predicted_for_model
 from kvcompress.metrics.memory import peak_rss_bytes
 from kvcompress.metrics.speed import _sync
+from kvcompress.metrics.stats import median_iqr
 from kvcompress.profiling import timing
 from kvcompress.report import markdown_table
 from kvcompress.tasks.perplexity import text_tokens
@@ -77,12 +78,17 @@ def _summarise(samples: dict, decode_tokens: int) -> list[dict]:
     rows = []
     for (name, length), runs in samples.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        ttft, dec = median_iqr([r["ttft_s"] for r in runs]), median_iqr([r["decode_s"] for r in runs])
         rows.append(
             {
                 "cache": name,
                 "context": length,
                 "ttft_s": med["ttft_s"],
+                "ttft_s_q1": ttft["q1"],
+                "ttft_s_q3": ttft["q3"],
                 "decode_tok_s": decode_tokens / med["decode_s"],
+                "decode_tok_s_q1": decode_tokens / dec["q3"],  # slower times, lower rate
+                "decode_tok_s_q3": decode_tokens / dec["q1"],
                 "policy_overhead": med["policy_s"] / med["decode_s"],
                 "cache_bytes": int(med["bytes"]),
             }

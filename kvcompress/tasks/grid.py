@@ -8,6 +8,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from kvcompress.metrics.compression import flag_uncompressed
+from kvcompress.metrics.stats import interval_fields, wilson
 from kvcompress.tasks.retrieval import run_case
 
 
@@ -74,20 +75,26 @@ def compression_summary(policy_name: str, cases: list[dict]) -> dict:
     return summary
 
 
-def run_grid(model, tokenizer, policy, cfg, make_case, out_dir=None, name: str = "niah") -> dict:
-    """Every (length, depth) of ``cfg`` through ``make_case(length, depth) -> Case``; returns metrics."""
-    grid = [(n, d) for n in cfg.lengths for d in cfg.depths]
+def accuracy_metrics(cases: list[dict]) -> dict:
+    """``accuracy`` with its 95% Wilson interval (``accuracy_ci_low``/``_high``),
+    ``correct`` and ``cases_total``."""
+    correct = sum(bool(c["correct"]) for c in cases)
+    low, high = wilson(correct, len(cases))
+    return {"accuracy": correct / len(cases), **interval_fields("accuracy", low, high), "correct": correct,
+            "cases_total": len(cases)}  # fmt: skip
+
+
+def run_grid(model, tokenizer, policy, cfg, make_case, out_dir=None, name: str = "niah", needles: int = 1):
+    """Every (length, depth, needle) of ``cfg`` through ``make_case(length, depth, needle) -> Case``."""
+    grid = [(n, d, k) for n in cfg.lengths for d in cfg.depths for k in range(needles)]
     cases = []
-    for length, depth in tqdm(grid, desc=name, disable=not cfg.get("progress", True), leave=False):
-        record = run_case(model, tokenizer, policy, make_case(int(length), float(depth)), cfg)
-        cases.append(record)
+    for length, depth, k in tqdm(grid, desc=name, disable=not cfg.get("progress", True), leave=False):
+        record = run_case(model, tokenizer, policy, make_case(int(length), float(depth), k), cfg)
+        cases.append({**record, "needle": k})
     table = accuracy_table(cases)
-    correct = sum(c["correct"] for c in cases)
     title = f"{name} {policy.name}\nquestion_in_prompt={bool(cfg.question_in_prompt)}"
     metrics = {
-        "accuracy": correct / len(cases),
-        "correct": correct,
-        "cases_total": len(cases),
+        **accuracy_metrics(cases),
         "question_in_prompt": bool(cfg.question_in_prompt),
         **compression_summary(policy.name, cases),
         "table": {str(d): {str(n): a for n, a in row.items()} for d, row in table.items()},

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from kvcompress.cache import build_cache
 from kvcompress.metrics.compression import tokens_evicted
 from kvcompress.tasks.conversation import ask_all, next_turn_text, token_ids
-from kvcompress.tasks.grid import compression_summary
+from kvcompress.tasks.grid import accuracy_metrics, compression_summary
 from kvcompress.tasks.niah import _haystack_ids, sentence_cut
 from kvcompress.tasks.retrieval import case_compressed, eos_ids, is_correct, split_prompt
 
@@ -99,9 +99,7 @@ def run(model, tokenizer, policy, cfg, out_dir=None) -> dict:
         cases += run_context(model, tokenizer, policy, cfg, n, t)
     per_context = [c for c in cases if c["turn"] == 0]  # compression is decided once per context
     metrics = {
-        "accuracy": sum(c["correct"] for c in cases) / len(cases),
-        "correct": sum(c["correct"] for c in cases),
-        "cases_total": len(cases),
+        **accuracy_metrics(cases),  # with a 95% Wilson interval
         "mode": cfg.mode,
         "per_turn": _accuracy_by(cases, "turn"),
         "per_depth": _accuracy_by(cases, "depth"),

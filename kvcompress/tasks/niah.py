@@ -47,13 +47,29 @@ def insert_needle(tokenizer, hay_ids, needle: str, depth: float) -> tuple[str, i
     return " ".join(pieces), position
 
 
-def make_case(tokenizer, cfg, length: int, depth: float) -> Case:
-    needle_tokens = len(tokenizer(" " + cfg.needle, add_special_tokens=False).input_ids)
+def needles(cfg) -> list[tuple[str, str, str]]:
+    """``(needle, question, answer)`` of every needle: ``task.needle``/``question``/``answer`` first, then
+    each entry of ``task.extra_needles`` (a list of such dicts; absent or empty in single-needle configs)."""
+    found = [(cfg.needle, cfg.question, str(cfg.answer))]
+    for i, extra in enumerate(cfg.get("extra_needles") or []):
+        missing = {"needle", "question", "answer"} - set(extra)
+        if missing:
+            raise ValueError(
+                f"task.extra_needles[{i}] lacks {sorted(missing)}: each needs needle, question, answer"
+            )
+        found.append((extra["needle"], extra["question"], str(extra["answer"])))
+    return found
+
+
+def make_case(tokenizer, cfg, length: int, depth: float, k: int = 0) -> Case:
+    """The ``k``-th needle at ``depth`` percent of a ``length``-token context."""
+    needle, question, answer = needles(cfg)[k]
+    needle_tokens = len(tokenizer(" " + needle, add_special_tokens=False).input_ids)
     if length <= needle_tokens:
         raise ValueError(f"task.lengths: length={length} must exceed the needle's {needle_tokens} tokens")
     hay = _haystack_ids(tokenizer, cfg.text, length - needle_tokens)
-    context, position = insert_needle(tokenizer, hay, cfg.needle, depth)
-    return Case(length, depth, context, cfg.question, str(cfg.answer), position)
+    context, position = insert_needle(tokenizer, hay, needle, depth)
+    return Case(length, depth, context, question, answer, position)
 
 
 def run(model, tokenizer, policy, cfg, out_dir=None) -> dict:
@@ -63,6 +79,7 @@ def run(model, tokenizer, policy, cfg, out_dir=None) -> dict:
     spans = cache_spans(build_cache(policy, model))  # calibrates a low-rank policy (or reloads it)
     check_disjoint(spans, cfg.text, (0, 8 * max(cfg.lengths)), f"task=niah (lengths={list(cfg.lengths)})")
     metrics = run_grid(
-        model, tokenizer, policy, cfg, lambda n, d: make_case(tokenizer, cfg, n, d), out_dir, name="niah"
-    )
+        model, tokenizer, policy, cfg, lambda n, d, k: make_case(tokenizer, cfg, n, d, k), out_dir,
+        name="niah", needles=len(needles(cfg)),
+    )  # fmt: skip
     return {**metrics, "calibration_ranges": spans}

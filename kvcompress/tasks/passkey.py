@@ -29,8 +29,10 @@ def passkey_context(tokenizer, cfg, length: int, depth: float, key: str) -> tupl
     return " ".join([text, needle, *fillers[cut:]]), count(text)
 
 
-def make_case(tokenizer, cfg, length: int, depth: float) -> Case:
-    rng = random.Random(f"{cfg.seed}-{length}-{depth}")
+def make_case(tokenizer, cfg, length: int, depth: float, trial: int = 0) -> Case:
+    """One passkey case; each ``trial`` (``task.trials`` per cell) draws its own key."""
+    seed = f"{cfg.seed}-{length}-{depth}" + (f"-{trial}" if trial else "")  # trial 0: the keys of old runs
+    rng = random.Random(seed)
     key = str(rng.randrange(10 ** (cfg.digits - 1), 10**cfg.digits))
     context, position = passkey_context(tokenizer, cfg, length, depth, key)
     return Case(length, depth, context, cfg.question, key, position)
@@ -41,5 +43,6 @@ def run(model, tokenizer, policy, cfg, out_dir=None) -> dict:
     if cfg.digits < 1:
         raise ValueError(f"task.digits={cfg.digits} must be >= 1")
     return run_grid(
-        model, tokenizer, policy, cfg, lambda n, d: make_case(tokenizer, cfg, n, d), out_dir, name="passkey"
-    )
+        model, tokenizer, policy, cfg, lambda n, d, k: make_case(tokenizer, cfg, n, d, k), out_dir,
+        name="passkey", needles=int(cfg.get("trials", 1)),
+    )  # fmt: skip

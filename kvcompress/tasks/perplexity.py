@@ -17,6 +17,7 @@ from kvcompress.guard import check_fits
 from kvcompress.metrics import decode_perplexity, measure_speed, peak_rss_bytes
 from kvcompress.metrics.compression import compression_check, full_cache_bytes, tokens_evicted
 from kvcompress.metrics.memory import fixed_bytes, peak_device_bytes, read_summary
+from kvcompress.tasks.slices import combine_slices, slice_ids, slice_starts
 
 
 def text_tokens(tokenizer, text_name: str, max_tokens: int, offset_tokens: int = 0, max_positions: int = 0):
@@ -82,16 +83,24 @@ def _score(model, tokenizer, ids, policy, cfg, chars) -> dict:
 
 
 def run(model, tokenizer, policy, cfg) -> dict:
-    """Perplexity (decode mode, or prefix perplexity with ``prefix_tokens``), bytes vs ``full`` on the same
-    tokens, whether the policy compressed, prefill/decode speed."""
+    """Perplexity (decode mode, or prefix perplexity with ``prefix_tokens``) over ``task.slices`` disjoint
+    slices of the text, as the mean and a 95% t-interval over slices; bytes vs ``full`` on the same tokens,
+    whether the policy compressed, prefill/decode speed (median and interquartile range)."""
     spec_max = getattr(model.config, "max_position_embeddings", 0)
-    offset = cfg.get("offset_tokens", 0)
-    ids = text_tokens(tokenizer, cfg.text, cfg.max_tokens, offset, spec_max)
+    if spec_max and cfg.max_tokens > spec_max:
+        raise ValueError(
+            f"task.max_tokens={cfg.max_tokens} exceeds the model's context of {spec_max} positions"
+        )
     check_fits(model, cfg.max_tokens, chunk=max(cfg.chunk_size, cfg.get("prefix_tokens") or 0))
-    span = functools.partial(text_span, tokenizer, load_text(cfg.text), offset, offset + cfg.max_tokens)
-    metrics = _score(model, tokenizer, ids, policy, cfg, span)
+    body, starts = load_text(cfg.text), slice_starts(cfg)
+    pieces = slice_ids(tokenizer, body, starts, cfg.max_tokens, cfg.text)
+    per_slice = []
+    for start, ids in zip(starts, pieces, strict=True):
+        span = functools.partial(text_span, tokenizer, body, start, start + cfg.max_tokens)
+        per_slice.append({"offset_tokens": start, **_score(model, tokenizer, ids, policy, cfg, span)})
+    metrics = combine_slices(per_slice)
     if cfg.get("speed", True):
-        prompt = ids[:, : cfg.get("prefill_tokens") or cfg.max_tokens]
+        prompt = pieces[0][:, : cfg.get("prefill_tokens") or cfg.max_tokens]
         metrics.update(
             measure_speed(
                 model,

@@ -192,7 +192,7 @@ def test_tasks_run_the_context_pass_and_flag_a_run_that_never_got_one(char_token
     text = tmp_path / "text.txt"
     text.write_text("The cat sat on the mat. A dog ran far away! Birds sing at dawn. " * 12)
     cfg = OmegaConf.load("conf/task/perplexity.yaml")
-    cfg.update(text=str(text), max_tokens=48, speed=False, progress=False)
+    cfg.update(text=str(text), max_tokens=48, slices=1, speed=False, progress=False)
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         streamed = ppl_task.run(llama, char_tokenizer, policy, cfg)
@@ -202,7 +202,7 @@ def test_tasks_run_the_context_pass_and_flag_a_run_that_never_got_one(char_token
     assert prefixed["compressed"] is True and prefixed["tokens_evicted"] == 3 * (32 - 12)
     cfg = OmegaConf.load("conf/task/niah.yaml")
     cfg.update(text=str(text), lengths=[100], depths=[50], max_new_tokens=3, progress=False)
-    cfg.update(needle="Magic is 42.", question="Magic?", answer="42")
+    cfg.update(needle="Magic is 42.", question="Magic?", answer="42", extra_needles=[])
     case = niah.run(llama, char_tokenizer, policy, cfg)["cases"][0]
     assert case["compressed"] and case["tokens_evicted"] == 3 * (case["context_tokens"] - 12)
 

@@ -73,9 +73,10 @@ def test_tokenizer_argument_and_the_error_naming_what_was_tried(user_model, tiny
         build_cache("low_rank", user_model, **low_rank(tmp_path, essay, tokenizer="nowhere"))
 
 
-def _ppl(model, tok, policy, text, max_tokens):
+def _ppl(model, tok, policy, text, max_tokens, **over):
     cfg = OmegaConf.load("conf/task/perplexity.yaml")
-    cfg.update(text=str(text), max_tokens=max_tokens, speed=False, progress=False)
+    cfg.update(text=str(text), max_tokens=max_tokens, slices=1, speed=False, progress=False)
+    cfg.update(**over)
     return ppl_task.run(model, tok, policy, cfg)
 
 
@@ -88,6 +89,8 @@ def test_perplexity_records_the_calibration_range_and_refuses_an_overlap(user_mo
     assert metrics["fixed_bytes"] > 0 and metrics["per_token_cache_ratio"] < metrics["cache_ratio"]
     with pytest.raises(ValueError, match="must not see its calibration text"):
         _ppl(user_model, tok, policy, essay, n - 50)
+    with pytest.raises(ValueError, match="must not see its calibration text"):  # only the 2nd slice overlaps
+        _ppl(user_model, tok, policy, essay, 64, slices=2, slice_stride=n - 100)
     other = make_policy("low_rank", **low_rank(tmp_path, "random"))  # random ids: nothing to overlap
     assert _ppl(user_model, tok, other, essay, n - 50)["calibration_ranges"][0]["chars"] is None
 

@@ -1,0 +1,66 @@
+"""Disjoint text slices for perplexity, and their combination into a mean with a 95% interval.
+
+One 1k-token text cannot tell two policies apart by a few tenths of perplexity: the spread between
+texts is larger. ``task.slices`` slices of ``task.max_tokens`` tokens start ``task.slice_stride`` tokens
+apart (16384 by default: on the embedded essays, whose essays run a few thousand tokens each, every slice
+falls in a different essay); the result is the mean over slices with a t-interval, and each slice's own
+numbers stay in the record.
+"""
+
+from __future__ import annotations
+
+from kvcompress.metrics.stats import interval_fields, t_interval
+
+PER_SLICE = ("offset_tokens", "perplexity", "nll", "tokens_scored", "cache_bytes", "tokens_evicted")
+
+
+def slice_starts(cfg) -> list[int]:
+    """Token offsets of the slices: ``offset_tokens + k * slice_stride`` for ``k < slices``; disjoint."""
+    slices, stride = int(cfg.get("slices", 1)), int(cfg.get("slice_stride", cfg.max_tokens))
+    offset = int(cfg.get("offset_tokens", 0))
+    if slices < 1:
+        raise ValueError(f"task.slices={slices} must be >= 1")
+    if slices > 1 and stride < cfg.max_tokens:
+        raise ValueError(
+            f"task.slice_stride={stride} must be >= task.max_tokens={cfg.max_tokens}: slices must not overlap"
+        )
+    return [offset + k * stride for k in range(slices)]
+
+
+def slice_ids(tokenizer, text: str, starts: list[int], max_tokens: int, text_name: str = "text"):
+    """Token ids (1, max_tokens) of each slice of ``text`` (tokenized once, whole)."""
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    need = starts[-1] + max_tokens
+    if ids.shape[1] < need:
+        raise ValueError(
+            f"task.slices={len(starts)}: text {text_name!r} has {ids.shape[1]} tokens, {need} needed for the "
+            f"last slice (offsets {starts}, task.max_tokens={max_tokens}); lower task.slices, "
+            "task.slice_stride or task.max_tokens"
+        )
+    return [ids[:, s : s + max_tokens] for s in starts]
+
+
+def combine_slices(per_slice: list[dict]) -> dict:
+    """One metrics dict from the slices' own: perplexity and nll as mean + 95% t-interval over slices,
+    ``tokens_scored`` and ``tokens_evicted`` summed, ``compressed`` only when every slice compressed, the
+    cache fields of the first slice (equal lengths give equal bytes for all but score-dependent layouts),
+    and ``slices``: each slice's offset, perplexity, nll, tokens and bytes."""
+    first = per_slice[0]
+    out = dict(first)
+    out.pop("offset_tokens", None)
+    for name in ("perplexity", "nll"):
+        ci = t_interval([s[name] for s in per_slice])
+        out[name] = ci["mean"]
+        out |= interval_fields(name, ci["low"], ci["high"])
+    out["tokens_scored"] = sum(s["tokens_scored"] for s in per_slice)
+    if all("tokens_evicted" in s for s in per_slice):
+        out["tokens_evicted"] = sum(s["tokens_evicted"] for s in per_slice)
+    if all("compressed" in s for s in per_slice):
+        out["compressed"] = all(s["compressed"] for s in per_slice)
+        warnings = [s["warning"] for s in per_slice if s.get("warning")]
+        out.pop("warning", None)
+        if warnings:
+            out["warning"] = warnings[0]
+    out["slice_count"] = len(per_slice)
+    out["slices"] = [{k: s.get(k) for k in PER_SLICE} for s in per_slice]
+    return out

@@ -1,0 +1,154 @@
+"""Results are data: every generated table in the README, docs/ and experiment READMEs equals what its
+records (or the code) generate now; a table whose records are gone is dropped; cells carry intervals."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kvcompress.docgen import regenerate
+from kvcompress.docgen.blocks import DocsReport, regenerate_text
+from kvcompress.report import cell, compare_rows, markdown_table
+from kvcompress.results import write_json_atomic
+
+ROOT = Path(__file__).resolve().parents[1]
+THIS = Path(__file__).resolve()
+WINDOW = "kvcompress.policies.SlidingWindowPolicy"
+
+
+def test_every_generated_table_in_the_docs_matches_its_records():
+    report = regenerate(ROOT, check=True)
+    assert report.blocks > 0
+    assert report.changed == [], (
+        f"generated tables differ from their records in {report.changed}: run `make results` "
+        "(or `python scripts/collect.py --docs`) and commit, or rerun the experiment"
+    )
+    assert report.dropped == [], f"blocks whose records are gone: {report.dropped}; run `make results`"
+
+
+def test_no_internal_issue_numbers_in_the_tree():
+    dirs = ["kvcompress", "conf", "docs", "experiments", "scripts", "tests", "benchmarks"]
+    files = [ROOT / "README.md", ROOT / "Makefile", *(p for d in dirs for p in (ROOT / d).rglob("*"))]
+    for path in files:
+        if (
+            path.suffix not in (".py", ".md", ".sh", ".yaml", ".txt", "")
+            or not path.is_file()
+            or path == THIS
+        ):
+            continue
+        text = path.read_text(encoding="utf-8", errors="ignore")
+        found = re.search(r"\bissue \d+|\(issue\b|(?<![\w&])#\d+\b", text, re.I)
+        assert found is None, f"{path}: {found and found.group(0)}"
+
+
+def _record(root: Path, name: str, ppl: float, low: float, high: float, status: str = "ok") -> None:
+    record = {
+        "status": status,
+        "policy_name": "sliding_window",
+        "config": {
+            "policy": {"_target_": WINDOW, "sink_tokens": 4, "window": 60},
+            "task": {"max_tokens": 64},
+        },
+        "environment": {"git_commit": "abcdef0123", "threads": 1, "machine": {"cpu": "Test CPU"}},
+        "metrics": {
+            "perplexity": ppl,
+            "perplexity_ci_low": low,
+            "perplexity_ci_high": high,
+            "cache_bytes": 10,
+        },
+    }
+    write_json_atomic(root / "experiments" / "demo" / "runs" / name / "results.json", record)
+
+
+DOC = (
+    "# Demo\n\n<!-- generated: records experiments/demo/runs/* columns=policy,settings,perplexity -->\n"
+    "<!-- /generated -->\n\nafter\n"
+)
+
+
+def test_a_records_block_renders_intervals_provenance_and_changed_settings(tmp_path):
+    _record(tmp_path, "a", 25.0, 24.0, 26.0)
+    _record(tmp_path, "b", 30.0, 29.0, 31.0, status="failed")  # never in a table
+    out = regenerate_text(DOC, tmp_path, tmp_path / "docs" / "x.md", DocsReport())
+    assert "| sliding_window | window=60 | 25 ± 1 |" in out
+    assert "1 records in `experiments/demo/runs/*`" in out and "abcdef0" in out and "Test CPU" in out
+    assert out.endswith("<!-- /generated -->\n\nafter\n")
+
+
+def test_check_reports_a_stale_number_and_regeneration_fixes_it(tmp_path):
+    _record(tmp_path, "a", 25.0, 24.0, 26.0)
+    doc = tmp_path / "docs" / "results.md"
+    doc.parent.mkdir(parents=True)
+    doc.write_text(regenerate_text(DOC, tmp_path, doc, DocsReport()).replace("25 ± 1", "24.5 ± 1"))
+    report = regenerate(tmp_path, check=True)
+    assert report.changed == ["docs/results.md"] and "24.5 ± 1" in doc.read_text()  # check writes nothing
+    assert regenerate(tmp_path).changed == ["docs/results.md"] and "25 ± 1" in doc.read_text()
+    assert regenerate(tmp_path, check=True).changed == []
+
+
+def test_a_table_whose_records_are_gone_is_dropped_unless_pending(tmp_path):
+    doc = tmp_path / "README.md"
+    doc.write_text(
+        DOC + "<!-- generated: records experiments/later/runs/* pending -->\n<!-- /generated -->\n"
+    )
+    report = regenerate(tmp_path)
+    text = doc.read_text()
+    assert "experiments/demo" not in text and report.dropped[0].startswith(
+        "README.md: records experiments/demo"
+    )
+    assert "No records yet in `experiments/later/runs/*`" in text  # a place kept for an experiment to come
+
+
+def test_an_unknown_block_kind_is_named(tmp_path):
+    with pytest.raises(ValueError, match="unknown kind 'tabel'"):
+        regenerate_text(
+            "<!-- generated: tabel x -->\n<!-- /generated -->\n", tmp_path, tmp_path / "a.md", DocsReport()
+        )
+
+
+def test_catalog_blocks_come_from_the_code(tmp_path):
+    doc = (
+        "<!-- generated: fields storage quant -->\n<!-- /generated -->\n<!-- generated: memory 2048 64 -->\n"
+    )
+    out = regenerate_text(doc + "<!-- /generated -->\n", ROOT, ROOT / "docs" / "x.md", DocsReport())
+    assert "| `bits` | `4` | `2` \\| `4` \\| `8` |" in out  # the declared Choice, not a typed list
+    assert "| `h2o` | 49420800 |" in out  # int32 positions counted (the formula, not an old printout)
+    assert "| `block_evict` |" in out
+
+
+def test_cells_show_intervals_and_speed_ranges():
+    row = {"perplexity": 25.0, "perplexity_ci_low": 24.5, "perplexity_ci_high": 25.5, "accuracy": 0.8,
+           "accuracy_ci_low": 0.49, "accuracy_ci_high": 0.94, "decode_tok_s": 10.0, "decode_tok_s_q1": 9.0,
+           "decode_tok_s_q3": 11.0}  # fmt: skip
+    assert cell(row, "perplexity") == "25 ± 0.5" and cell(row, "accuracy") == "0.8 [0.49, 0.94]"
+    assert cell(row, "decode_tok_s") == "10 (IQR 9-11)" and cell({"x": 3}, "x") == "3"
+    assert "25 ± 0.5" in markdown_table([row], ["perplexity"])
+
+
+def test_comparing_two_rows_says_not_distinguishable_when_intervals_overlap():
+    a = {"perplexity": 25.9, "perplexity_ci_low": 25.5, "perplexity_ci_high": 26.3}
+    b = {"perplexity": 26.1, "perplexity_ci_low": 25.8, "perplexity_ci_high": 26.4}
+    assert "not distinguishable" in compare_rows("h2o", a, "window", b)
+    c = {"perplexity": 28.0, "perplexity_ci_low": 27.5, "perplexity_ci_high": 28.5}
+    assert compare_rows("h2o", a, "tova", c).startswith("h2o is better than tova")
+    fast = {"decode_tok_s": 12.0, "decode_tok_s_q1": 11.5, "decode_tok_s_q3": 12.5}
+    slow = {"decode_tok_s": 9.0, "decode_tok_s_q1": 8.5, "decode_tok_s_q3": 9.5}
+    assert compare_rows("slow", slow, "fast", fast, "decode_tok_s").startswith("fast is better")
+    with pytest.raises(ValueError, match="'accuracy'"):
+        compare_rows("a", a, "b", b, "accuracy")
+
+
+def test_a_marker_inside_a_code_fence_is_an_example_not_a_block(tmp_path):
+    doc = "```markdown\n<!-- generated: records experiments/none/* -->\n<!-- /generated -->\n```\n"
+    report = DocsReport()
+    assert regenerate_text(doc, tmp_path, tmp_path / "a.md", report) == doc and report.blocks == 0
+
+
+def test_niah_heatmap_titles_carry_a_wilson_interval():
+    from kvcompress.plots import _wilson_note
+
+    cells = {(0.0, 256.0): [1.0, 1.0, 1.0, 1.0], (50.0, 256.0): [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]}
+    assert _wilson_note(cells) == "\n8/10 correct, 95% [0.49, 0.94]"
+    assert _wilson_note({(0.0, 1.0): [0.5]}) == ""  # not a 0/1 score: no interval claimed
