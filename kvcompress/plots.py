@@ -116,8 +116,9 @@ def plot_niah(records: list[dict], path: Path) -> Path | None:
     for ax, (name, cells) in zip(axes[0], grids.items(), strict=True):  # records are in sweep order
         depths = sorted({d for d, _ in cells})
         lengths = sorted({n for _, n in cells})
-        acc = [[_mean(cells.get((d, n))) for n in lengths] for d in depths]
-        ax.imshow(acc, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        acc = [[_mean(cells.get((d, n))) for n in lengths] for d in depths]  # None: no case at that cell
+        grid = [[float("nan") if v is None else v for v in row] for row in acc]
+        ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         for i, row in enumerate(acc):
             for j, v in enumerate(row):
                 ax.text(j, i, "" if v is None else f"{v:.2f}", ha="center", va="center", fontsize=7)

@@ -152,3 +152,16 @@ def test_niah_heatmap_titles_carry_a_wilson_interval():
     cells = {(0.0, 256.0): [1.0, 1.0, 1.0, 1.0], (50.0, 256.0): [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]}
     assert _wilson_note(cells) == "\n8/10 correct, 95% [0.49, 0.94]"
     assert _wilson_note({(0.0, 1.0): [0.5]}) == ""  # not a 0/1 score: no interval claimed
+
+
+def test_niah_heatmap_with_a_missing_cell_is_drawn(tmp_path):
+    """Runs at different lengths under one label leave empty (depth, length) cells: drawn blank, no crash."""
+    from kvcompress.plots import plot_niah
+
+    def record(length):
+        cases = [{"depth": d, "length": length, "correct": 1.0} for d in ([0, 50] if length == 2048 else [0])]
+        policy = {"_target_": "kvcompress.policies.FullPolicy"}
+        return {"config": {"policy": policy}, "metrics": {"cases": cases}}
+
+    path = plot_niah([record(2048), record(4096)], tmp_path / "niah.png")
+    assert path is not None and path.stat().st_size > 0
