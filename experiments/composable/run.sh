@@ -6,8 +6,8 @@ cd "$(dirname "$0")/../.."
 K=".venv/bin/kvcompress"
 R=experiments/composable/runs
 NIAH="task=niah task.question_in_prompt=true task.progress=false"
-PREFIX="task.max_tokens=2049 task.prefix_tokens=1536 task.chunk_size=1 task.speed=false task.progress=false"
-DECODE="task.max_tokens=1024 task.chunk_size=1 task.speed=false task.progress=false"
+PREFIX="task.max_tokens=2049 task.prefix_tokens=1536 task.chunk_size=1 task.speed=false task.progress=false task.slices=1"
+DECODE="task.max_tokens=1024 task.chunk_size=1 task.speed=false task.progress=false task.slices=1"
 run() { local name=$1; shift; [ -f "$R/$name/results.json" ] && grep -q '"status": "ok"' "$R/$name/results.json" && return 0; $K "$@" hydra.run.dir="$R/$name"; }
 
 # SnapKV keeps half, int4 stores it: bytes at a 2k prompt, NIAH with the question in the prompt, prefix ppl

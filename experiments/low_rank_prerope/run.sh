@@ -10,8 +10,8 @@ run() {
   OMP_NUM_THREADS=1 ${PYTHON:-.venv/bin/python} -m kvcompress "$@" task.progress=false hydra.run.dir=$OUT/$name > $OUT/$name.log 2>&1
   echo "    done $(date +%T)"
 }
-T="task.max_tokens=1024 task.speed=false"
-P="task.max_tokens=2048 task.prefix_tokens=1024 task.speed=false"
+T="task.max_tokens=1024 task.speed=false task.slices=1"
+P="task.max_tokens=2048 task.prefix_tokens=1024 task.speed=false task.slices=1"
 Q4R32='policy.values={name:quant,bits:4,residual_length:32}'
 Q4R64='policy.values={name:quant,bits:4,residual_length:64}'
 D='policy.values=dense'
@@ -27,7 +27,7 @@ run prefix_full policy=full $P
 run prefix_pre_joint_logits_k31_vdense policy=low_rank policy.rank=31 $D $P
 run prefix_pre_joint_logits_k46_q4r64 policy=low_rank policy.rank=46 "$Q4R64" $P
 for q in false true; do
-  run niah_pre_joint_logits_k46_q4r64_qip_$q task=niah policy=low_rank policy.rank=46 "$Q4R64" task.question_in_prompt=$q
+  run niah_pre_joint_logits_k46_q4r64_qip_$q task=niah policy=low_rank policy.rank=46 "$Q4R64" task.question_in_prompt=$q "task.extra_needles=[]" "task.depths=[0,25,50,75,100]"
 done
 run prefix_pre_joint_logits_k24_q4r32 policy=low_rank policy.rank=24 "$Q4R32" $P
 run prefix_post_head_keys_k32_vdense policy=low_rank policy.rank=32 $OLD $D $P

@@ -11,10 +11,10 @@ run() { local name=$1; shift; [ -f "$R/$name/results.json" ] && grep -q '"status
   echo "=== $name $(date +%T)"; OMP_NUM_THREADS=1 $K "$@" task.progress=false hydra.run.dir="$R/$name" > /dev/null; }
 N4=(task=niah "task.needle='The special magic number is 7392.'" "task.question='What is the special magic number?'"
   task.answer=7392 "task.answer_prefix='The special magic number is'" task.question_in_prompt=false
-  "task.extra_needles=[]")  # one needle: the digits are the point
+  "task.extra_needles=[]" "task.depths=[0,25,50,75,100]")  # one needle: the digits are the point
 N5=(task=niah "task.needle='The special magic number is 73925.'" "task.question='What is the special magic number?'"
   task.answer=73925 "task.answer_prefix='The special magic number is'" task.question_in_prompt=true
-  "task.extra_needles=[]")
+  "task.extra_needles=[]" "task.depths=[0,25,50,75,100]")
 for L in 2048 4096; do
   run niah4_full_$L policy=full "${N4[@]}" task.lengths=[$L]
   for r in 0.5 0.75; do
@@ -31,7 +31,7 @@ for m in independent multiturn; do
   for p in kvzip snapkv; do run multi_${p}_$m policy=$p policy.compression_ratio=0.5 task=multi_niah task.mode=$m; done
   run multi_sliding_window_$m policy=sliding_window policy.window=1020 task=multi_niah task.mode=$m  # 4 + 1020 of 2048
 done
-PREFIX=(task.max_tokens=2049 task.prefix_tokens=1536 task.chunk_size=1 task.speed=false)
+PREFIX=(task.max_tokens=2049 task.prefix_tokens=1536 task.chunk_size=1 task.speed=false task.slices=1)
 run prefix_full policy=full "${PREFIX[@]}"
 for r in 0.5 0.75; do
   for p in kvzip snapkv; do run prefix_${p}_$r policy=$p policy.compression_ratio=$r "${PREFIX[@]}"; done
