@@ -44,14 +44,15 @@ def fork(cache):
 def cache_state(cache) -> tuple[list, dict[str, torch.Tensor]]:
     """Every layer's state tree and the tensors it names (copies, contiguous), as ``save`` writes them."""
     tensors: dict[str, torch.Tensor] = {}
+    memo: dict[int, str] = {}  # a tensor held twice is saved once and shared again when loaded
     trees = []
     for i, layer in enumerate(cache.layers):
         trees.append(
             {
                 "class": _qualname(layer),
                 "store_class": _qualname(layer.store),
-                "state": encode(state_attributes(layer), f"layers.{i}", tensors)["dict"],
-                "store": encode(state_attributes(layer.store), f"layers.{i}.store", tensors)["dict"],
+                "state": encode(state_attributes(layer), f"layers.{i}", tensors, memo)["dict"],
+                "store": encode(state_attributes(layer.store), f"layers.{i}.store", tensors, memo)["dict"],
             }
         )
     return trees, tensors

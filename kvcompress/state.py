@@ -22,12 +22,18 @@ def state_attributes(obj) -> dict:
     return {k: v for k, v in vars(obj).items() if k not in SKIP}
 
 
-def encode(value, name: str, tensors: dict):
-    """A JSON-able tree for ``value``; tensors are added to ``tensors`` under names starting with ``name``."""
+def encode(value, name: str, tensors: dict, memo: dict | None = None):
+    """A JSON-able tree for ``value``; tensors are added to ``tensors`` under names starting with ``name``.
+
+    ``memo`` (id -> name, one per cache) saves a tensor held under two attributes once, so loading gives
+    back one shared tensor (plain PCA's encoder is its decoder: counted once in ``memory_bytes()``)."""
+    memo = {} if memo is None else memo
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, torch.Tensor):
-        tensors[name] = value.detach().contiguous().clone()
+        if id(value) in memo:
+            return {"tensor": memo[id(value)]}
+        tensors[name], memo[id(value)] = value.detach().contiguous().clone(), name
         return {"tensor": name}
     if isinstance(value, torch.dtype):
         return {"dtype": str(value).removeprefix("torch.")}
@@ -35,17 +41,19 @@ def encode(value, name: str, tensors: dict):
         return {"device": str(value)}
     if isinstance(value, tuple) and hasattr(value, "_fields"):
         kind = f"{type(value).__module__}.{type(value).__qualname__}"
-        return {"namedtuple": kind, "items": [encode(v, f"{name}.{i}", tensors) for i, v in enumerate(value)]}
+        items = [encode(v, f"{name}.{i}", tensors, memo) for i, v in enumerate(value)]
+        return {"namedtuple": kind, "items": items}
     if isinstance(value, (list, tuple)):
         key = "list" if isinstance(value, list) else "tuple"
-        return {key: [encode(v, f"{name}.{i}", tensors) for i, v in enumerate(value)]}
+        return {key: [encode(v, f"{name}.{i}", tensors, memo) for i, v in enumerate(value)]}
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        return {"dict": {k: encode(v, f"{name}.{k}", tensors) for k, v in value.items()}}
+        return {"dict": {k: encode(v, f"{name}.{k}", tensors, memo) for k, v in value.items()}}
     from kvcompress.storage import Store
 
     if isinstance(value, Store):  # a store inside a store (keys and values stored apart): its own state
         kind = f"{type(value).__module__}.{type(value).__qualname__}"
-        return {"store": {"class": kind, "state": encode(state_attributes(value), name, tensors)["dict"]}}
+        state = encode(state_attributes(value), name, tensors, memo)["dict"]
+        return {"store": {"class": kind, "state": state}}
     raise TypeError(f"cannot save {name}: a {type(value).__name__} (teach kvcompress.state.encode its kind)")
 
 
