@@ -121,6 +121,11 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
             key, value, attention_mask = layer.attend(query, key, value)
             attention_mask = _expand_heads(attention_mask, query.shape[1])
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if getattr(layer, "deferred", False):  # the store attends from its codes (kvcompress.fused_quant)
+        if attention_mask is None and _fusable(module, kwargs):
+            return layer.attend_codes(query, scaling), None
+        with TIMER.measure():
+            key, value = layer.read_deferred()
     wants = layer is not None and layer.wants_scores
     probs = None
     if wants and query.shape[2] == 1 and attention_mask is None and _fusable(module, kwargs):
