@@ -53,7 +53,8 @@ def backend_of(config) -> str:
 def kvcompress_mask(*args, attention_mask=None, config=None, **kwargs):
     """Mask function: remembers the 2D padding mask for the cache layers, builds the backend's usual mask."""
     is_2d = isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2
-    _STATE.padding = attention_mask if is_2d else None
+    # one check per forward (not one per layer): an all-ones mask (generate() without padding) is no padding
+    _STATE.padding = attention_mask if is_2d and not bool(attention_mask.all()) else None
     fn = eager_mask if backend_of(config) == "eager" else sdpa_mask
     return fn(*args, attention_mask=attention_mask, config=config, **kwargs)
 
