@@ -32,8 +32,8 @@ from kvcompress.tasks.perplexity import text_tokens
 REPLAYABLE = {"int4", "int8", "int4_unfused", "block_sparse_0.25", "low_rank_32"}
 CONTENDERS = {
     "full": ("full", {}),
-    "int4": ("quant", {"bits": 4}),
-    "int8": ("quant", {"bits": 8}),
+    "int4": ("quant", {"bits": 4, "fused_attention": "compile"}),  # what "auto" was when measured
+    "int8": ("quant", {"bits": 8, "fused_attention": "compile"}),
     "int4_unfused": ("quant", {"bits": 4, "fused_attention": "off"}),
     "block_sparse_0.25": ("block_sparse", {"read_ratio": 0.25}),
     "low_rank_32": ("low_rank", {"rank": 32}),

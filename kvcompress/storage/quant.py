@@ -50,8 +50,10 @@ class QuantStore(ResidualStore):
         """Whether a decode query can attend straight from the codes (``kvcompress.fused_quant``)."""
         c = self.config
         width = self.spec.head_dim * c.bits // 8  # channels per bit plane
+        on_cpu = self.residual[self.kinds[0]].device.type == "cpu"
+        off = c.fused_attention == "off" or (c.fused_attention == "auto" and on_cpu)  # CPU: measured slower
         return (
-            c.fused_attention != "off"
+            not off
             and self.encoded_length > 0
             and len(self.kinds) == 2
             and (c.key_axis, c.value_axis) == ("channel", "token")
@@ -133,8 +135,9 @@ class QuantStorage(Storage):
     tokens are full precision. ``"channel"`` groups are G tokens of one channel (KIVI's keys), ``"token"``
     groups G channels of one token (G must divide head_dim). ``scale_dtype`` ``"auto"`` is the model dtype
     for 16-bit models and float16 for float32 ones. ``fused_attention``: a decode query reads the codes
-    directly (``kvcompress.fused_quant``; ``"auto"`` compiles where it can, ``"eager"`` never compiles,
-    ``"compile"`` must, ``"off"`` dequantizes a copy for the model's own attention).
+    directly (``kvcompress.fused_quant``; ``"auto"``: on a GPU, compiled where it can; on CPU, where the
+    compiled kernel measured slower than dequantize-then-SDPA (README, issue 18), ``"off"``. ``"eager"``
+    never compiles, ``"compile"`` must, ``"off"`` dequantizes a copy for the model's own attention).
     """
 
     name = "quant"
