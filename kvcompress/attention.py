@@ -53,7 +53,8 @@ def backend_of(config) -> str:
 def kvcompress_mask(*args, attention_mask=None, config=None, **kwargs):
     """Mask function: remembers the 2D padding mask for the cache layers, builds the backend's usual mask."""
     is_2d = isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2
-    _STATE.padding = attention_mask if is_2d else None
+    # one check per forward (not one per layer): an all-ones mask (generate() without padding) is no padding
+    _STATE.padding = attention_mask if is_2d and not bool(attention_mask.all()) else None
     fn = eager_mask if backend_of(config) == "eager" else sdpa_mask
     return fn(*args, attention_mask=attention_mask, config=config, **kwargs)
 
@@ -121,6 +122,11 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
             key, value, attention_mask = layer.attend(query, key, value)
             attention_mask = _expand_heads(attention_mask, query.shape[1])
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if getattr(layer, "deferred", False):  # the store attends from its codes (kvcompress.fused_quant)
+        if attention_mask is None and _fusable(module, kwargs):
+            return layer.attend_codes(query, scaling), None
+        with TIMER.measure():
+            key, value = layer.read_deferred()
     wants = layer is not None and layer.wants_scores
     probs = None
     if wants and query.shape[2] == 1 and attention_mask is None and _fusable(module, kwargs):

@@ -50,6 +50,23 @@ def test_bench_rows_ratios_and_bytes(llama, text_file):
     assert by[("hf_quantized_fp8", 64)]["bytes_vs_full"] < 0.3
     assert all(0 <= r["policy_overhead"] < 1 for r in rows)
     assert by[("dynamic", 32)]["policy_overhead"] == 0  # transformers' caches run none of our code
+    assert by[("dynamic", 64)]["decode_vs_dynamic"] == 1.0
+    assert by[("full", 64)]["decode_vs_dynamic"] == pytest.approx(
+        by[("full", 64)]["decode_tok_s"] / by[("dynamic", 64)]["decode_tok_s"]
+    )
+    assert by[("sliding_window", 64)]["bytes_vs_dynamic"] == pytest.approx(16 / 68, rel=0.01)
+    assert all(r["peak_rss_mb"] > 0 and r["peak_device_mb"] is None for r in rows)  # CPU: no device peak
+
+
+def test_scaling_fits_decode_ms_per_1k_tokens_of_context():
+    rows = [
+        {"cache": "a", "context": n, "decode_tok_s": 1000 / (5 + 2 * n / 1000)} for n in (1000, 2000, 4000)
+    ]
+    rows.append({"cache": "b", "context": 1000, "decode_tok_s": 10.0})  # one point: no line
+    (fit,) = bench.scaling(rows)
+    assert fit["cache"] == "a" and fit["fit_points"] == 3
+    assert fit["decode_ms_per_1k_context"] == pytest.approx(2.0)
+    assert fit["decode_ms_per_token_at_1k"] == pytest.approx(7.0)
 
 
 def test_bench_rejects_unknown_peer(llama, text_file):

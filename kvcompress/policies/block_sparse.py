@@ -9,6 +9,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvcompress.fields import Float, Int
@@ -68,6 +69,14 @@ class BlockSparsePolicy(Policy):
         else:
             k = torch.ceil(n_pages * self.read_ratio).long().clamp(min=self.sink_blocks + 1)
         return torch.minimum(k, n_pages)
+
+    def pages_to_read_count(self, n_pages: int) -> int:
+        """``pages_to_read`` for ``n_pages`` non-empty pages in every row and head, on the host (the same
+        float32 product as the tensor form, so both round alike)."""
+        if self.read_ratio is None:
+            return min(self.top_k_blocks, n_pages)
+        k = math.ceil(float(np.float32(n_pages) * np.float32(self.read_ratio)))
+        return min(max(k, self.sink_blocks + 1), n_pages)
 
     def kept_tokens(self, s: Shape) -> int:
         """Quest evicts nothing: every token is stored."""

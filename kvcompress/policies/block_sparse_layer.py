@@ -111,7 +111,9 @@ class BlockSparseLayer(PolicyLayer):
         newest = self._page_of(torch.tensor([self.stored_length() - 1], device=self.device))  # (B, 1)
         forced.scatter_(-1, newest[:, None].expand(-1, score.shape[1], -1), True)
         k = self.policy.pages_to_read(real.sum(-1))  # (B, H_kv)
-        top = score.masked_fill(forced, math.inf).topk(int(k.max()), dim=-1).indices  # best first
+        # without padding every page holds tokens: the width is known on the host (no device sync)
+        width = self.policy.pages_to_read_count(score.shape[-1]) if self.valid is None else int(k.max())
+        top = score.masked_fill(forced, math.inf).topk(width, dim=-1).indices  # best first
         top = top.masked_fill(torch.arange(top.shape[-1], device=self.device) >= k[..., None], -1)
         return top.sort(dim=-1).values
 
@@ -127,21 +129,21 @@ class BlockSparseLayer(PolicyLayer):
         return t, ok
 
     def _count(self, pages: torch.Tensor, ok: torch.Tensor, key: torch.Tensor) -> None:
+        """Add this step's reads to the counters, kept as device tensors (read on the host by ``stats``)."""
         row_bytes = 2 * key.shape[-1] * key.element_size()  # one token of K and V, or one page min+max
         b, h_kv, total, _ = key.shape
-        n_pages = int((self.page_max[..., 0] >= self.page_min[..., 0]).sum())
-        valid = self.valid if self.valid is not None else torch.ones(b, 1, total, dtype=torch.bool)
-        real = int(valid.sum()) * (h_kv // valid.shape[1])  # real tokens over rows and KV heads
+        n_pages = (self.page_max[..., 0] >= self.page_min[..., 0]).sum()
+        real = b * total * h_kv if self.valid is None else self.valid.sum() * (h_kv // self.valid.shape[1])
         c = self.counters
         c["decode_steps"] += 1
-        c["pages_read"] += int((pages >= 0).sum())
-        c["pages_total"] += n_pages
-        c["kv_bytes_read"] += int(ok.sum()) * row_bytes
-        c["meta_bytes_read"] += n_pages * row_bytes
-        c["kv_bytes_full"] += real * row_bytes
+        c["pages_read"] = c["pages_read"] + (pages >= 0).sum()
+        c["pages_total"] = c["pages_total"] + n_pages
+        c["kv_bytes_read"] = c["kv_bytes_read"] + ok.sum() * row_bytes
+        c["meta_bytes_read"] = c["meta_bytes_read"] + n_pages * row_bytes
+        c["kv_bytes_full"] = c["kv_bytes_full"] + real * row_bytes
 
     def stats(self) -> dict:
-        c = self.counters
+        c = {k: int(v) for k, v in self.counters.items()}
         return {**super().stats(), **c, "pages_read_fraction": c["pages_read"] / max(c["pages_total"], 1)}
 
 

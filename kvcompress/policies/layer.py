@@ -11,6 +11,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvcompress import attention
+from kvcompress.profiling import TIMER
 from kvcompress.storage.buffers import storage_bytes
 
 
@@ -27,6 +28,7 @@ class PolicyLayer(CacheLayerMixin):
     contiguous = False  # stored tokens are always the latest ones in order (positions need no tracking)
     per_token: tuple[str, ...] = ()  # (B, 1 or H_kv, T) tensors aligned with the stored tokens
     per_row: tuple[str, ...] = ()  # (B, ...) tensors
+    deferred = False  # this step's attention reads the store itself (``attend_codes``), not a dense copy
 
     def __init__(self, policy, layer_idx: int, spec, store):
         self.is_initialized = (
@@ -52,6 +54,8 @@ class PolicyLayer(CacheLayerMixin):
         """Store this step's keys/values (B, H_kv, q, D); return what this step's attention must see."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.deferred:  # the last step's attention never came: end that step now
+            self.read_deferred()
         b, _, q, _ = key_states.shape
         new_valid = attention.new_token_validity(b, q, key_states.device)
         self.on_append(key_states, new_valid)
@@ -62,11 +66,36 @@ class PolicyLayer(CacheLayerMixin):
             self.pos = _cat_positions(self.pos, self.seen, b, q, key_states.device)
         self.store.append(key_states, value_states, kwargs.get("positions"))  # model's position_ids or None
         self.seen += q
+        if self._defers(q):
+            self.deferred, self._view = True, (self.stored_length(), None, None)
+            return _unread(key_states, self.stored_length()), _unread(value_states, self.stored_length())
         keys, values = self.store.read()
         self._view = (keys.shape[-2], self.valid, self.pos)
         self.compress(keys, values)
         if not self.wants_scores:
             self.end_step()
+        return keys, values
+
+    def _defers(self, q: int) -> bool:
+        """Whether this step's attention can read the store's codes: one unpadded decode query on a
+        full-attention layer whose selector neither looks at nor narrows what is read."""
+        plain = type(self).compress is PolicyLayer.compress and type(self).attend is PolicyLayer.attend
+        simple = q == 1 and self.valid is None and self.window is None and not self.wants_scores
+        return plain and simple and self.store.attends_codes()
+
+    def attend_codes(self, query, scaling: float) -> torch.Tensor:
+        """A deferred step's output (B, 1, H, D) straight from the store (no dense copy); the step ends."""
+        self.deferred = False
+        out = self.store.attend_codes(query, scaling)
+        with TIMER.measure():
+            self.end_step()
+        return out
+
+    def read_deferred(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A deferred step's dense keys/values (B, H_kv, T, D), when its attention cannot read codes."""
+        self.deferred = False
+        keys, values = self.store.read()
+        self.end_step()  # after the read: this step's attention still sees its tokens unquantized
         return keys, values
 
     def end_step(self) -> None:
@@ -87,6 +116,7 @@ class PolicyLayer(CacheLayerMixin):
         self.store.reset()
         self.valid = self._view = self.pos = self.left_pad = None
         self.seen = self.evicted = 0
+        self.deferred = False
         for name in self.per_token + self.per_row:
             setattr(self, name, None)
         self.is_initialized = False
@@ -240,6 +270,15 @@ class PolicyLayer(CacheLayerMixin):
         return torch.div(kpos - pad, self.window, rounding_mode="floor") == torch.div(
             qpos - pad, self.window, rounding_mode="floor"
         )
+
+
+def _unread(states: torch.Tensor, total: int) -> torch.Tensor:
+    """What ``update`` returns for a deferred step: NaN (B, H_kv, total, D) without storage, so attention
+    that is not kvcompress's (which reads the store itself) fails loudly instead of reading a stale copy."""
+    b, h, _, d = states.shape
+    return torch.full((1, 1, 1, 1), float("nan"), dtype=states.dtype, device=states.device).expand(
+        b, h, total, d
+    )
 
 
 def _cat_valid(old, new, stored: int, batch: int, q: int, device):

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvcompress.fields import Choice, Int
+from kvcompress.fused_quant import MODES
 from kvcompress.policies.full import StoragePreset
 from kvcompress.storage.quant import SCALE_DTYPES, QuantStorage
 from kvcompress.storage.quantizer import AXES, BITS
@@ -28,3 +29,4 @@ class QuantPolicy(StoragePreset):
     key_axis: str = Choice("channel", AXES)
     value_axis: str = Choice("token", AXES)
     scale_dtype: str = Choice("auto", tuple(SCALE_DTYPES))
+    fused_attention: str = Choice("auto", MODES)

@@ -118,6 +118,11 @@ class Store:
         cannot (the caller then uses ``keep``)."""
         return False
 
+    def attends_codes(self) -> bool:
+        """Whether a decode query can attend from what is stored without a dense ``read`` (then
+        ``attend_codes(query, scaling)`` returns the attention output (B, 1, H, D))."""
+        return False
+
     def flush(self, valid: torch.Tensor | None = None) -> None:
         """End of a step: compress what waited in full precision (quantize, project). ``valid``
         (B, 1 or H_kv, T) marks the stored tokens that are padding (False), or None without padding."""

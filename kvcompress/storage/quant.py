@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcompress import fused_quant
 from kvcompress.fields import Choice, Int
 from kvcompress.spec import ModelSpec, Shape
 from kvcompress.storage import quantizer
@@ -44,6 +45,28 @@ class QuantStore(ResidualStore):
 
     def decode(self, kind, parts, out, positions=None):
         return quantizer.dequantize(parts, self.config.bits, self.config.group_size, self.axis(kind), out)
+
+    def attends_codes(self) -> bool:
+        """Whether a decode query can attend straight from the codes (``kvcompress.fused_quant``)."""
+        c = self.config
+        width = self.spec.head_dim * c.bits // 8  # channels per bit plane
+        on_cpu = self.residual[self.kinds[0]].device.type == "cpu"
+        off = c.fused_attention == "off" or (c.fused_attention == "auto" and on_cpu)  # CPU: measured slower
+        return (
+            not off
+            and self.encoded_length > 0
+            and len(self.kinds) == 2
+            and (c.key_axis, c.value_axis) == ("channel", "token")
+            and (width % c.group_size == 0 or c.group_size % width == 0)
+        )
+
+    def attend_codes(self, query, scaling: float):
+        """Attention output (B, 1, H, D) of a decode query (B, H, 1, D) over every stored token."""
+        c = self.config
+        return fused_quant.quant_attention(
+            c.fused_attention, query, self.qkeys, self.qvalues, self.keys, self.values, scaling, c.bits,
+            c.group_size,
+        )  # fmt: skip
 
     def flush_count(self, residual: int) -> int:
         g = self.config.group_size
@@ -111,7 +134,10 @@ class QuantStorage(Storage):
     once a whole group has left that window (groups aligned to the first token), so between R and R + G - 1
     tokens are full precision. ``"channel"`` groups are G tokens of one channel (KIVI's keys), ``"token"``
     groups G channels of one token (G must divide head_dim). ``scale_dtype`` ``"auto"`` is the model dtype
-    for 16-bit models and float16 for float32 ones.
+    for 16-bit models and float16 for float32 ones. ``fused_attention``: a decode query reads the codes
+    directly (``kvcompress.fused_quant``; ``"auto"``: on a GPU, compiled where it can; on CPU, where the
+    compiled kernel measured slower than dequantize-then-SDPA (README, issue 18), ``"off"``. ``"eager"``
+    never compiles, ``"compile"`` must, ``"off"`` dequantizes a copy for the model's own attention).
     """
 
     name = "quant"
@@ -135,6 +161,7 @@ class QuantStorage(Storage):
     key_axis: str = Choice("channel", AXES)
     value_axis: str = Choice("token", AXES)
     scale_dtype: str = Choice("auto", tuple(SCALE_DTYPES))
+    fused_attention: str = Choice("auto", fused_quant.MODES)
 
     def check(self, spec: ModelSpec) -> None:
         if "token" in (self.key_axis, self.value_axis) and spec.head_dim % self.group_size:

@@ -19,7 +19,7 @@ from kvcompress.cache import PEERS, build_cache, held_bytes, known_policies, mak
 from kvcompress.context_pass import after_prefill
 from kvcompress.guard import check_fits
 from kvcompress.memory_model import predicted_for_model
-from kvcompress.metrics.memory import peak_rss_bytes
+from kvcompress.metrics.memory import peak_device_bytes, peak_rss_bytes
 from kvcompress.metrics.speed import _sync
 from kvcompress.metrics.stats import median_iqr
 from kvcompress.profiling import timing
@@ -28,8 +28,10 @@ from kvcompress.tasks.perplexity import text_tokens
 
 BENCH_COLUMNS = [
     "cache", "context", "ttft_s", "decode_tok_s", "policy_overhead", "cache_bytes",
-    "ttft_vs_full", "decode_vs_full", "bytes_vs_full", "predicted_bytes", "bytes_vs_predicted",
+    "ttft_vs_full", "decode_vs_full", "decode_vs_dynamic", "bytes_vs_full", "bytes_vs_dynamic",
+    "predicted_bytes", "bytes_vs_predicted", "peak_rss_mb", "peak_device_mb",
 ]  # fmt: skip
+SCALING_COLUMNS = ["cache", "decode_ms_per_token_at_1k", "decode_ms_per_1k_context", "fit_points"]
 
 
 def _contenders(cfg) -> dict:
@@ -58,6 +60,8 @@ def _make(model, contender, window: int):
 def _measure(model, ids, cache, decode_tokens: int, after=None) -> dict:
     """One prefill (with a query-agnostic policy's context pass, ``after``) + ``decode_tokens`` greedy
     steps; seconds and policy seconds during decode."""
+    if str(model.device).startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(model.device)  # each row's own device peak
     _sync(model.device)
     t0 = time.perf_counter()
     logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits
@@ -71,7 +75,10 @@ def _measure(model, ids, cache, decode_tokens: int, after=None) -> dict:
             logits = model(logits.argmax(-1), cache=cache, use_cache=True).logits[:, -1:]
         _sync(model.device)
         decode = time.perf_counter() - t1
-    return {"ttft_s": ttft, "decode_s": decode, "policy_s": timer.seconds, "bytes": held_bytes(cache)}
+    return {
+        "ttft_s": ttft, "decode_s": decode, "policy_s": timer.seconds, "bytes": held_bytes(cache),
+        "peak_rss": peak_rss_bytes(), "peak_device": peak_device_bytes(model.device) or 0,
+    }  # fmt: skip
 
 
 def _summarise(samples: dict, decode_tokens: int) -> list[dict]:
@@ -91,14 +98,40 @@ def _summarise(samples: dict, decode_tokens: int) -> list[dict]:
                 "decode_tok_s_q3": decode_tokens / dec["q1"],
                 "policy_overhead": med["policy_s"] / med["decode_s"],
                 "cache_bytes": int(med["bytes"]),
+                "peak_rss_mb": max(r["peak_rss"] for r in runs) / 2**20,  # the process's, up to this point
+                "peak_device_mb": max(r["peak_device"] for r in runs) / 2**20 or None,
             }
         )
     for row in rows:
-        ref = next(r for r in rows if r["cache"] == "full" and r["context"] == row["context"])
-        row["ttft_vs_full"] = row["ttft_s"] / ref["ttft_s"]
-        row["decode_vs_full"] = row["decode_tok_s"] / ref["decode_tok_s"]
-        row["bytes_vs_full"] = row["cache_bytes"] / ref["cache_bytes"]
+        _ratios(row, rows, "full")
+        _ratios(row, rows, "dynamic")
     return sorted(rows, key=lambda r: (r["context"], r["cache"] != "full", r["cache"]))
+
+
+def _ratios(row: dict, rows: list[dict], ref_name: str) -> None:
+    """``*_vs_<ref_name>`` columns against that cache at the same context (None where it did not run)."""
+    ref = next((r for r in rows if r["cache"] == ref_name and r["context"] == row["context"]), None)
+    names = {"ttft_s": "ttft", "decode_tok_s": "decode", "cache_bytes": "bytes"}
+    for key, short in names.items():
+        if ref_name == "full" or key != "ttft_s":
+            row[f"{short}_vs_{ref_name}"] = None if ref is None else row[key] / ref[key]
+
+
+def scaling(rows: list[dict]) -> list[dict]:
+    """Least-squares line of decode ms per token over context (in thousands of tokens), per cache: the
+    slope says what each 1k tokens of context adds to a decode step."""
+    out = []
+    for name in dict.fromkeys(r["cache"] for r in rows):
+        pts = [(r["context"] / 1000, 1000 / r["decode_tok_s"]) for r in rows if r["cache"] == name]
+        if len(pts) < 2:
+            continue
+        xm, ym = statistics.fmean(x for x, _ in pts), statistics.fmean(y for _, y in pts)
+        slope = sum((x - xm) * (y - ym) for x, y in pts) / sum((x - xm) ** 2 for x, _ in pts)
+        out.append(
+            {"cache": name, "decode_ms_per_token_at_1k": ym + slope * (1 - xm),
+             "decode_ms_per_1k_context": slope, "fit_points": len(pts)}
+        )  # fmt: skip
+    return out
 
 
 def _add_predictions(rows: list[dict], contenders: dict, model, decode_tokens: int) -> None:
@@ -133,5 +166,12 @@ def run(model, tokenizer, policy, cfg) -> dict:
     attention.install(model)
     rows = _summarise(samples, cfg.decode_tokens)
     _add_predictions(rows, contenders, model, cfg.decode_tokens)
+    fits = scaling(rows)
     print(markdown_table(rows, BENCH_COLUMNS))
-    return {"rows": rows, "peak_rss_bytes": peak_rss_bytes(), "decode_tokens": cfg.decode_tokens}
+    print(markdown_table(fits, SCALING_COLUMNS))
+    return {
+        "rows": rows,
+        "scaling": fits,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "decode_tokens": cfg.decode_tokens,
+    }

@@ -1,0 +1,141 @@
+"""Interleaved decode speed of compressed caches vs ``full`` on the embedded model.
+
+A prefill per contender, except that storage-only contenders (whose state after a prefill depends only on
+the keys and values, not on attention scores: quant, low-rank, Quest) are filled by replaying ``full``'s
+prefill keys/values through their own ``update``: the state a model prefill gives them, without paying a
+4k-token forward each on a starved shared CPU (their ``prefill_s`` is then the replay's). Then a few
+warm-up decode steps (which include any ``torch.compile``), then ``rounds`` rounds in which every
+contender decodes ``steps`` tokens in turn: the ratio to ``full`` is taken within each round (same machine
+load) and reported as median and range. Policy overhead is ``PolicyTimer`` seconds over decode seconds.
+Usage: ``python experiments/fused/decode_speed.py OUT.json LENGTH [ROUNDS] [STEPS] [NAME ...]``
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvcompress import attention, build_cache
+from kvcompress.context_pass import after_prefill
+from kvcompress.models import load_model
+from kvcompress.profiling import timing
+from kvcompress.results import write_text_atomic
+from kvcompress.tasks.perplexity import text_tokens
+
+REPLAYABLE = {"int4", "int8", "int4_unfused", "block_sparse_0.25", "low_rank_32"}
+CONTENDERS = {
+    "full": ("full", {}),
+    "int4": ("quant", {"bits": 4, "fused_attention": "compile"}),  # what "auto" was when measured
+    "int8": ("quant", {"bits": 8, "fused_attention": "compile"}),
+    "int4_unfused": ("quant", {"bits": 4, "fused_attention": "off"}),
+    "block_sparse_0.25": ("block_sparse", {"read_ratio": 0.25}),
+    "low_rank_32": ("low_rank", {"rank": 32}),
+    "snapkv_0.5": ("snapkv", {"compression_ratio": 0.5}),
+}
+
+
+@torch.inference_mode()
+def prepare(model, tokenizer, ids, name, reference=None):
+    """A contender's cache after the prompt; ``reference``: the ``full`` state to replay, when allowed."""
+    policy, params = CONTENDERS[name]
+    cache = build_cache(policy, model, **params)
+    t0 = time.perf_counter()
+    if reference is not None and name in REPLAYABLE:
+        for layer, ref in zip(cache.layers, reference["cache"].layers, strict=True):
+            layer.update(*ref.store.read())  # the keys/values the model's prefill produced
+        nxt = reference["first"]
+    else:
+        logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+        after = after_prefill(model, tokenizer)
+        if after is not None:
+            after(cache, ids)
+        nxt = logits.argmax(-1)
+    prefill = time.perf_counter() - t0
+    first = nxt
+    replayed = reference is not None and name in REPLAYABLE
+    return {
+        "cache": cache, "next": nxt, "first": first, "prefill_s": prefill, "replayed": replayed,
+        "bytes": cache.memory_bytes(),
+    }  # fmt: skip
+
+
+@torch.inference_mode()
+def warm_up(model, state, steps: int = 3) -> None:
+    """Decode steps outside the timing: the fused path compiles here, once for this shape bucket."""
+    nxt = state["next"]
+    for _ in range(steps):
+        nxt = model(nxt, cache=state["cache"], use_cache=True).logits[:, -1:].argmax(-1)
+    state["next"] = nxt
+
+
+@torch.inference_mode()
+def decode(model, state, steps: int) -> tuple[float, float]:
+    nxt, cache = state["next"], state["cache"]
+    with timing() as timer:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            nxt = model(nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        seconds = time.perf_counter() - t0
+    state["next"] = nxt
+    return steps / seconds, timer.seconds / seconds
+
+
+def summarise(samples: dict, states: dict) -> dict:
+    out = {}
+    for name, runs in samples.items():
+        ratios = [tok / full for (tok, _), (full, _) in zip(runs, samples["full"], strict=True)]
+        toks, over = [r[0] for r in runs], [r[1] for r in runs]
+        out[name] = {
+            "decode_tok_s_median": statistics.median(toks), "decode_tok_s_min": min(toks),
+            "decode_tok_s_max": max(toks), "vs_full_median": statistics.median(ratios),
+            "vs_full_min": min(ratios), "vs_full_max": max(ratios),
+            "policy_overhead_median": statistics.median(over), "prefill_s": states[name]["prefill_s"],
+            "cache_bytes": states[name]["bytes"], "prefill_replayed": states[name]["replayed"],
+            "per_round": runs,
+        }  # fmt: skip
+    return out
+
+
+def main(out: str, length: int, rounds: int = 4, steps: int = 4, *names: str) -> None:
+    names = list(names or CONTENDERS)
+    names = names if names[0] == "full" else ["full", *[n for n in names if n != "full"]]
+    model, tokenizer = load_model("smollm2-135m")
+    attention.install(model)
+    ids = text_tokens(tokenizer, "pg_essays", length)
+    load_before = os.getloadavg()
+    states = {"full": prepare(model, tokenizer, ids, "full")}
+    states |= {name: prepare(model, tokenizer, ids, name, states["full"]) for name in names[1:]}
+    for state in states.values():
+        warm_up(model, state)
+    samples = {name: [] for name in names}
+    for _ in range(rounds):
+        for name in names:
+            samples[name].append(decode(model, states[name], steps))
+    record = {
+        "context": length, "rounds": rounds, "steps_per_round": steps, "dtype": str(model.dtype),
+        "contenders": {n: CONTENDERS[n] for n in names}, "results": summarise(samples, states),
+        "env": {
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+            "nproc": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+            "shared_machine": True,
+        },
+    }  # fmt: skip
+    write_text_atomic(Path(out), json.dumps(record, indent=1))
+    for name, r in record["results"].items():
+        print(
+            f"{name:>18} {r['decode_tok_s_median']:6.2f} tok/s  vs full {r['vs_full_median']:.2f} "
+            f"({r['vs_full_min']:.2f}-{r['vs_full_max']:.2f})  overhead {r['policy_overhead_median']:.1%}"
+        )
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    main(a[0], int(a[1]), *(int(x) for x in a[2:4]), *a[4:])

@@ -1,0 +1,105 @@
+"""Decode attention straight from quant codes (``kvcompress.fused_quant``): the same numbers as attention over
+the dequantized copy, the same perplexity, the eager fallback, and a loud failure outside our attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny
+
+from kvcompress import build_cache, fused_quant
+from kvcompress.metrics.perplexity import decode_perplexity
+from kvcompress.storage import quantizer as Q
+
+
+def quantized_attention_case(bits: int, group: int, te: int = 64, tr: int = 5, d: int = 16, seed: int = 0):
+    """A decode query (1, 6, 1, D) over 2 KV heads: ``te`` quantized tokens then ``tr`` residual ones."""
+    g = torch.Generator().manual_seed(seed)
+    keys, values = torch.randn(1, 2, te + tr, d, generator=g), torch.randn(1, 2, te + tr, d, generator=g)
+    keys[..., 3] += 4.0  # an outlier channel, as real keys have
+    kq = Q.quantize(keys[:, :, :te], bits, group, "channel", torch.float16)
+    vq = Q.quantize(values[:, :, :te], bits, group, "token", torch.float16)
+    query = torch.randn(1, 6, 1, d, generator=g)
+    return query, kq, vq, keys[:, :, te:], values[:, :, te:]
+
+
+def reference(query, kq, vq, k_res, v_res, bits, group):
+    """SDPA over the dequantized copy the unfused path builds."""
+    te, d = kq.codes.shape[2], k_res.shape[-1]
+    k = Q.dequantize(kq, bits, group, "channel", torch.empty(1, 2, te, d))
+    v = Q.dequantize(vq, bits, group, "token", torch.empty(1, 2, te, d))
+    k, v = torch.cat([k, k_res], 2), torch.cat([v, v_res], 2)
+    out = torch.nn.functional.scaled_dot_product_attention(query, k, v, scale=0.25, enable_gqa=True)
+    return out.transpose(1, 2)  # (B, 1, H, D)
+
+
+@pytest.mark.parametrize("bits,group", [(8, 4), (8, 16), (4, 4), (4, 8), (4, 16), (2, 8), (2, 16)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_attention_from_codes_equals_attention_over_the_dequantized_copy(bits, group, fused):
+    query, kq, vq, k_res, v_res = quantized_attention_case(bits, group)
+    got = fused_quant.attend(query, kq, vq, k_res, v_res, 0.25, bits, group, fused)
+    want = reference(query, kq, vq, k_res, v_res, bits, group)
+    assert got.shape == (1, 1, 6, 16)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _perplexity(model, ids, mode):
+    cache = build_cache("quant", model, bits=4, group_size=8, residual_length=8, fused_attention=mode)
+    calls = []
+    for layer in cache.layers:
+        original = layer.store.attend_codes
+        layer.store.attend_codes = lambda *a, _f=original: calls.append(1) or _f(*a)
+    return decode_perplexity(model, ids, cache, progress=False)["perplexity"], len(calls)
+
+
+def test_perplexity_is_unchanged_by_the_fused_path():
+    model = make_tiny("llama")
+    ids = torch.randint(2, 90, (1, 96), generator=torch.Generator().manual_seed(3))
+    dense, dense_calls = _perplexity(model, ids, "off")
+    fused, fused_calls = _perplexity(model, ids, "eager")
+    assert dense_calls == 0 and fused_calls == 3 * (95 - 16)  # every step once 16 tokens are quantized
+    assert abs(fused - dense) <= 1e-4 * dense
+
+
+@pytest.mark.slow
+def test_compiled_path_matches_the_eager_one():
+    pytest.importorskip("torch._inductor")
+    query, kq, vq, k_res, v_res = quantized_attention_case(4, 8, te=96)
+    eager = fused_quant.quant_attention("eager", query, kq, vq, k_res, v_res, 0.25, 4, 8)
+    compiled = fused_quant.quant_attention("compile", query, kq, vq, k_res, v_res, 0.25, 4, 8)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_falls_back_to_eager_once_compile_fails(monkeypatch):
+    def broken(fn, **kwargs):
+        def call(*args):
+            raise RuntimeError("no C++ compiler")
+
+        return call
+
+    monkeypatch.setattr(fused_quant, "_COMPILED", {})
+    monkeypatch.setattr(fused_quant, "COMPILE_MIN_TOKENS", 0)
+    monkeypatch.setattr(torch, "compile", broken)
+    args = quantized_attention_case(4, 8)
+    with pytest.warns(UserWarning, match="torch.compile unavailable"):
+        out = fused_quant.quant_attention("auto", *args, 0.25, 4, 8)
+    torch.testing.assert_close(out, fused_quant.attend(*args, 0.25, 4, 8, False))
+    assert fused_quant._COMPILED["fn"] is None  # not retried
+    with pytest.raises(RuntimeError, match="no C"):
+        monkeypatch.setattr(fused_quant, "_COMPILED", {})
+        fused_quant.quant_attention("compile", *args, 0.25, 4, 8)
+
+
+def test_a_deferred_step_outside_kvcompress_attention_fails_loudly(llama, tokens):
+    cache = build_cache("quant", llama, bits=4, group_size=4, residual_length=4, fused_attention="eager")
+    llama(tokens[:, :20], cache=cache, use_cache=True)
+    llama.set_attn_implementation("sdpa")  # attention that does not read the store
+    logits = llama(tokens[:, 20:21], cache=cache, use_cache=True).logits
+    assert logits.isnan().all()
+
+
+def test_unsupported_axes_read_the_dense_copy(llama, tokens):
+    cache = build_cache("quant", llama, bits=4, group_size=4, residual_length=4, key_axis="token")
+    llama(tokens[:, :20], cache=cache, use_cache=True)
+    logits = llama(tokens[:, 20:21], cache=cache, use_cache=True).logits
+    assert not cache.layers[0].store.attends_codes() and logits.isfinite().all()
