@@ -136,7 +136,7 @@ class QuantStorage(Storage):
     groups G channels of one token (G must divide head_dim). ``scale_dtype`` ``"auto"`` is the model dtype
     for 16-bit models and float16 for float32 ones. ``fused_attention``: a decode query reads the codes
     directly (``kvcompress.fused_quant``; ``"auto"``: on a GPU, compiled where it can; on CPU, where the
-    compiled kernel measured slower than dequantize-then-SDPA (README, issue 18), ``"off"``. ``"eager"``
+    compiled kernel measured slower than dequantize-then-SDPA (experiments/fused), ``"off"``. ``"eager"``
     never compiles, ``"compile"`` must, ``"off"`` dequantizes a copy for the model's own attention).
     """
 
