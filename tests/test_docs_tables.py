@@ -165,3 +165,30 @@ def test_niah_heatmap_with_a_missing_cell_is_drawn(tmp_path):
 
     path = plot_niah([record(2048), record(4096)], tmp_path / "niah.png")
     assert path is not None and path.stat().st_size > 0
+
+
+def _slice_record(folder: Path, perplexities: list[float]) -> None:
+    slices = [
+        {"offset_tokens": 1000 * i, "tokens_scored": 100, "perplexity": p} for i, p in enumerate(perplexities)
+    ]
+    record = {
+        "status": "ok",
+        "config": {},
+        "metrics": {"perplexity": sum(perplexities) / 3, "slices": slices},
+    }
+    write_json_atomic(folder / "results.json", record)
+
+
+def test_compare_block_pairs_runs_over_their_slices_and_is_dropped_without_records(tmp_path):
+    """Essays differ a lot (unpaired intervals overlap), but a run worse by 1.0 on every slice is worse."""
+    _slice_record(tmp_path / "runs/base", [20.0, 30.0, 40.0])
+    _slice_record(tmp_path / "runs/worse", [21.0, 31.1, 40.9])
+    _slice_record(tmp_path / "runs/same", [20.1, 29.9, 40.0])
+    doc = "<!-- generated: compare runs/base runs/worse runs/same -->\n<!-- /generated -->\n"
+    text = regenerate_text(doc, tmp_path, tmp_path / "a.md", DocsReport())
+    worse, same = [line for line in text.splitlines() if line.startswith("- ")]
+    assert worse.startswith("- base is better than worse") and "paired over 3 slices" in worse
+    assert "not distinguishable" in same
+    gone = "<!-- generated: compare runs/base runs/missing -->\n<!-- /generated -->\n"
+    report = DocsReport()
+    assert "generated: compare" not in regenerate_text(gone, tmp_path, tmp_path / "a.md", report)

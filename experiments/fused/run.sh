@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18 measurements on the embedded model (SmolLM2-135M, float32, CPU). The machine has 2 cores and was
+# Fused-attention measurements on the embedded model (SmolLM2-135M, float32, CPU). The machine has 2 cores and was
 # shared with other jobs (load average ~9-10 during these runs), so only the in-round ratios mean anything.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
