@@ -17,7 +17,7 @@ declare -A WINDOW_NIAH=([0.25]=1560 [0.5]=1039 [0.75]=517)    # about 2086 promp
 run ppl_full policy=full $DECODE
 run prefix_full policy=full $PREFIX
 for q in true false; do run niah_full_q$q policy=full task=niah task.question_in_prompt=$q; done
-for r in 0.25 0.5 0.75; do
+for r in 0.5 0.25 0.75; do  # the middle ratio first: resumable, so a stopped run keeps the most useful rows
   for p in h2o tova block_evict; do run ppl_${p}_$r policy=$p policy.compression_ratio=$r $DECODE; done
   run ppl_sliding_window_$r policy=sliding_window policy.window=${WINDOW[$r]} $DECODE
   for p in h2o tova block_evict snapkv pyramidkv expected_attention kvzip; do
