@@ -13,7 +13,7 @@ import importlib
 import torch
 
 # Structure rebuilt by build_cache (policy, shapes, configs), buffer bookkeeping, and transient views.
-SKIP = frozenset({"policy", "spec", "store", "config", "slots", "_view", "rope"})  # rope: from the model
+SKIP = frozenset({"policy", "spec", "store", "config", "slots", "_view", "rope", "probe", "read_pos"})  # rope: model
 LAZY = frozenset({"device", "dtype"})  # set by a layer's first update (CacheLayerMixin.lazy_initialization)
 
 

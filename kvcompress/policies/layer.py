@@ -27,6 +27,9 @@ class PolicyLayer(CacheLayerMixin):
     contiguous = False  # stored tokens are always the latest ones in order (positions need no tracking)
     per_token: tuple[str, ...] = ()  # (B, 1 or H_kv, T) tensors aligned with the stored tokens
     per_row: tuple[str, ...] = ()  # (B, ...) tensors
+    probe = None  # a fidelity probe watching this layer (``watch``), or None
+    read_pos: torch.Tensor | None = None  # (B, 1 or H_kv, T) positions this step's attention reads (probed)
+    probe_only_pos = False  # ``pos`` is tracked only for the probe: not the policy's bytes
 
     def __init__(self, policy, layer_idx: int, spec, store):
         self.is_initialized = (
@@ -52,6 +55,8 @@ class PolicyLayer(CacheLayerMixin):
         """Store this step's keys/values (B, H_kv, q, D); return what this step's attention must see."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.probe is not None:
+            self.probe.stored(self, key_states, value_states)
         b, _, q, _ = key_states.shape
         new_valid = attention.new_token_validity(b, q, key_states.device)
         self.on_append(key_states, new_valid)
@@ -63,7 +68,9 @@ class PolicyLayer(CacheLayerMixin):
         self.store.append(key_states, value_states, kwargs.get("positions"))  # model's position_ids or None
         self.seen += q
         keys, values = self.store.read()
-        self._view = (keys.shape[-2], self.valid, self.pos)
+        self._view = (keys.shape[-2], self.valid, None if self.probe_only_pos else self.pos)
+        if self.probe is not None:  # before compress: the positions of what this step's attention reads
+            self.read_pos = self.pos
         self.compress(keys, values)
         if not self.wants_scores:
             self.end_step()
@@ -75,6 +82,29 @@ class PolicyLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         return self.seen
+
+    # -- positions, for diagnostics ---------------------------------------------------------------
+    def watch(self, probe) -> None:
+        """Attach ``probe`` (``kvcompress.metrics.fidelity``): ``update`` hands it each step's exact keys and
+        values, the attention function what attention read. Turns on position tracking (int32 per stored
+        token; not counted in ``memory_bytes`` when only the probe needs it). Only before the first token."""
+        if self.seen and not self.track:
+            raise ValueError(
+                f"layer {self.layer_idx}: watch() before the first update (positions of evicted tokens "
+                "are not known afterwards)"
+            )
+        self.probe, self.probe_only_pos, self.track = probe, not self.track, True
+
+    def positions(self) -> torch.Tensor:
+        """Absolute positions (B, 1 or H_kv, T) int32 of the stored tokens, per row and head (padding slots
+        hold the position they were consumed at). Needs tracking: a policy that uses them, or ``watch``."""
+        if not self.track:
+            raise ValueError(
+                f"{type(self).__name__} does not track positions; call watch() before the first update"
+            )
+        if self.pos is None:
+            return torch.zeros(1, 1, 0, dtype=torch.int32)
+        return self.pos
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         stored = self.stored_length()
@@ -173,7 +203,8 @@ class PolicyLayer(CacheLayerMixin):
     # -- bytes and counters ---------------------------------------------------------------------
     def tensors(self) -> list[torch.Tensor]:
         own = [getattr(self, name) for name in (*self.per_token, *self.per_row)]
-        return [*self.store.tensors(), self.valid, self.pos, self.left_pad, *own]
+        pos = None if self.probe_only_pos else self.pos  # a probe's positions are not the policy's bytes
+        return [*self.store.tensors(), self.valid, pos, self.left_pad, *own]
 
     def memory_bytes(self) -> int:
         return storage_bytes(self.tensors())
