@@ -116,8 +116,8 @@ def run(model, tokenizer, policy, cfg, out_dir=None) -> dict:
     )
     metrics["cache_ratio"] = metrics["cache_bytes"] / metrics["full_cache_bytes"]
     hint = "Set a budget below task.max_tokens, or task.prefix_tokens for prefill-time policies."
-    evicted = tokens_evicted(cache)
-    metrics |= compression_check(policy.name, evicted, metrics["cache_bytes"], metrics["full_cache_bytes"], hint)
+    bytes_ = metrics["cache_bytes"], metrics["full_cache_bytes"]
+    metrics |= compression_check(policy.name, tokens_evicted(cache), *bytes_, hint)
     if out_dir is not None:
         write_outputs(trace, metrics, out_dir, title=f"{policy.name} {_params(policy)}")
     return metrics
