@@ -69,7 +69,8 @@ def test_block_sparse_recall_counts_only_the_pages_read(llama, text):
 
 
 def test_quant_int8_recall_one_and_output_error_within_its_scales(llama, text):
-    full, cache = build_cache("full", llama), build_cache("quant", llama, bits=8, group_size=4, residual_length=8)
+    full = build_cache("full", llama)
+    cache = build_cache("quant", llama, bits=8, group_size=4, residual_length=8)
     probes = Lockstep(full, cache)
     queries = []
     spy = probes.full.attended
@@ -105,7 +106,7 @@ def _quant_bound(layer, shadow, query) -> torch.Tensor:
     dv = torch.zeros_like(values)
     te = kq.scale.shape[2] * g
     dk[:, :, :te] = kq.scale.float().repeat_interleave(g, dim=2) / 2  # channel groups of g tokens
-    dv[:, :, : vq.scale.shape[2]] = vq.scale.float().repeat_interleave(g, dim=3) / 2  # token groups of g channels
+    dv[:, :, : vq.scale.shape[2]] = vq.scale.float().repeat_interleave(g, dim=3) / 2  # groups of g channels
     q = query[0, :, -1].float()  # (H, D)
     h_kv = keys.shape[1]
     grp = q.shape[0] // h_kv
@@ -132,6 +133,7 @@ def test_watching_tracks_positions_without_counting_them(llama, text):
     torch.testing.assert_close(a, b, atol=0, rtol=0)  # watching changes nothing the policy computes
     assert watched.memory_bytes() == plain.memory_bytes()
     pos = watched.layers[1].positions()  # (1, 1, 12): TOVA keeps the same tokens in every head
-    assert pos.shape[-1] == 12 and 0 <= int(pos.min()) and int(pos.max()) <= 63 and len(set(pos.flatten().tolist())) == 12
+    assert pos.shape[-1] == 12 and int(pos.min()) >= 0 and int(pos.max()) <= 63
+    assert len(set(pos.flatten().tolist())) == 12
     with pytest.raises(ValueError, match="before the first update"):
         plain.layers[0].watch(None)
