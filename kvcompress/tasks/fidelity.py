@@ -64,7 +64,7 @@ def stream(model, ids, full, cache, cfg, after_prefix=None) -> dict:
         if after_prefix is not None:
             after_prefix(cache, ids[:, :first])
     trace = {"token": [], "kl": [], "top1": [], "layer_step": [], **{k: [] for k in METRICS}}
-    nll = 0.0
+    nll = nll_full = 0.0
     starts = range(first, n - 1, cfg.chunk_size)
     for step, start in enumerate(tqdm(starts, desc="fidelity", disable=not cfg.get("progress", True))):
         chunk = ids[:, start : min(start + cfg.chunk_size, n - 1)]
@@ -75,6 +75,7 @@ def stream(model, ids, full, cache, cfg, after_prefix=None) -> dict:
             raise NonFiniteError(start)
         targets = ids[:, start + 1 : start + 1 + chunk.shape[1]]
         nll += F.cross_entropy(lp[0].float(), targets[0], reduction="sum").item()
+        nll_full += F.cross_entropy(lf[0].float(), targets[0], reduction="sum").item()
         kl, top1 = logit_divergence(lf, lp)
         trace["token"] += range(start, start + chunk.shape[1])
         trace["kl"] += kl[0].tolist()
@@ -86,6 +87,7 @@ def stream(model, ids, full, cache, cfg, after_prefix=None) -> dict:
                 trace[k].append(layers[k].tolist())
     probes.measure(False)
     trace["nll"] = nll / max(len(trace["kl"]), 1)
+    trace["nll_full"] = nll_full / max(len(trace["kl"]), 1)
     return trace
 
 
@@ -107,6 +109,7 @@ def run(model, tokenizer, policy, cfg, out_dir=None) -> dict:
     metrics.update(
         perplexity=math.exp(trace["nll"]),
         nll=trace["nll"],
+        full_perplexity=math.exp(trace["nll_full"]),  # the lockstep full cache on the same scored tokens
         chunk_size=cfg.chunk_size,
         prefix_tokens=cfg.get("prefix_tokens"),
         every=cfg.get("every", 1),
