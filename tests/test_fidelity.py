@@ -137,3 +137,37 @@ def test_watching_tracks_positions_without_counting_them(llama, text):
     assert len(set(pos.flatten().tolist())) == 12
     with pytest.raises(ValueError, match="before the first update"):
         plain.layers[0].watch(None)
+
+
+def _compare_cfg(tmp_path, **over):
+    (tmp_path / "hay.txt").write_text(
+        "The cat sat. A dog ran far away! Birds sing at dawn. Is it late? " * 20
+    )
+    cfg = OmegaConf.load("conf/task/compare.yaml")
+    cfg.update(text=str(tmp_path / "hay.txt"), length=120, depth=50, needle="Magic is 42.", question="Magic?")
+    cfg.update(answer="42", max_new_tokens=6, **over)
+    return cfg
+
+
+def test_compare_full_never_diverges_and_drops_nothing(llama, char_tokenizer, tmp_path):
+    from kvcompress import make_policy
+    from kvcompress.tasks import compare
+
+    out = compare.run(llama, char_tokenizer, make_policy("full"), _compare_cfg(tmp_path), out_dir=tmp_path)
+    assert out["first_divergence"] is None and out["full_response"] == out["policy_response"]
+    assert out["recall_mean"] == 1.0 and out["dropped_mass"] == 0 and out["dropped_positions"] == []
+    assert out["needle"]["held_mass"] == out["needle"]["full_mass"] > 0
+    assert "no divergence" in (tmp_path / "compare.md").read_text()
+
+
+def test_compare_names_what_the_window_dropped(llama, char_tokenizer, tmp_path):
+    from kvcompress import make_policy
+    from kvcompress.tasks import compare
+
+    policy = make_policy("sliding_window", sink_tokens=2, window=16)
+    out = compare.run(llama, char_tokenizer, policy, _compare_cfg(tmp_path), out_dir=tmp_path)
+    query = out["prompt_tokens"] - 1 + out["probed_step"]  # position of the probed step's query
+    dropped = [d["position"] for d in out["dropped_positions"]]
+    assert len(dropped) == 10 and all(2 <= p < query - 16 for p in dropped)
+    assert out["needle"]["full_mass"] > 0 and out["needle"]["held_mass"] == 0  # mid-context: evicted
+    assert out["recall_mean"] < 0.5 and len(out["lowest_layers"]) == 3

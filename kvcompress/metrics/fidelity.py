@@ -125,14 +125,15 @@ def held_mask(rec: dict, seen: int) -> torch.Tensor:
 
 def compare_step(full: dict[int, dict], policy: dict[int, dict]) -> dict[str, torch.Tensor]:
     """Per layer and KV head (L, H_kv), batch-averaged: ``recall``, ``output_error``, ``key_error``,
-    ``value_error`` (zeros without a shadow); ``dropped`` (L, H_kv, seen): full's mass on dropped positions.
+    ``value_error`` (zeros without a shadow); ``attention`` (L, H_kv, seen): full's attention at absolute
+    positions, ``dropped``: the part of it on positions the policy did not hold.
 
     Recall is ``1 - dropped / total`` so that holding everything gives exactly 1.
     """
     layers = sorted(full)
     if layers != sorted(policy):
         raise RuntimeError(f"fidelity: layers recorded differ (full {layers}, policy {sorted(policy)})")
-    rows = {k: [] for k in ("recall", "output_error", "key_error", "value_error", "dropped")}
+    rows = {k: [] for k in ("recall", "output_error", "key_error", "value_error", "attention", "dropped")}
     for i in layers:
         f, p = full[i], policy[i]
         if f["seen"] != p["seen"]:
@@ -145,6 +146,7 @@ def compare_step(full: dict[int, dict], policy: dict[int, dict]) -> dict[str, to
         zero = torch.zeros_like(err)
         rows["key_error"].append(p.get("key_error", zero))
         rows["value_error"].append(p.get("value_error", zero))
+        rows["attention"].append(probs)
         rows["dropped"].append(dropped)
     return {k: torch.stack(v).mean(1) for k, v in rows.items()}  # (L, B, ...) -> (L, ...)
 
