@@ -171,3 +171,32 @@ def test_compare_names_what_the_window_dropped(llama, char_tokenizer, tmp_path):
     assert len(dropped) == 10 and all(2 <= p < query - 16 for p in dropped)
     assert out["needle"]["full_mass"] > 0 and out["needle"]["held_mass"] == 0  # mid-context: evicted
     assert out["recall_mean"] < 0.5 and len(out["lowest_layers"]) == 3
+
+
+def test_fidelity_task_writes_trace_plots_and_summary(llama, char_tokenizer, tmp_path):
+    import json
+
+    from kvcompress import make_policy
+    from kvcompress.report import summarize as collect
+    from kvcompress.results import write_json_atomic
+    from kvcompress.tasks import fidelity
+
+    (tmp_path / "t.txt").write_text("The cat sat. A dog ran far away! Birds sing at dawn. " * 10)
+    cfg = OmegaConf.load("conf/task/fidelity.yaml")
+    cfg.update(text=str(tmp_path / "t.txt"), max_tokens=80, every=5, progress=False)
+    run = tmp_path / "run"
+    m = fidelity.run(llama, char_tokenizer, make_policy("h2o", budget=16), cfg, out_dir=run)
+    assert m["tokens_scored"] == 79 and m["steps_measured"] == 16 and m["compressed"]
+    assert 0 < m["recall_min"] <= m["recall_mean"] < 1 and m["kl_mean"] > 0 and 0 < m["top1_agreement"] <= 1
+    assert m["cache_ratio"] < 0.3 and m["full_perplexity"] != m["perplexity"]
+    trace = json.loads((run / "fidelity.json").read_text())
+    assert len(trace["recall"]) == 16 and len(trace["recall"][0]) == 3 and len(trace["kl"]) == 79
+    assert (run / "recall_heatmap.png").stat().st_size > 0 and (run / "kl_steps.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="task.every"):
+        fidelity.run(llama, char_tokenizer, make_policy("full"), OmegaConf.merge(cfg, {"every": 0}))
+    write_json_atomic(
+        run / "results.json", {"status": "ok", "policy_name": "h2o", "config": {}, "metrics": m}
+    )
+    table = collect(run)
+    assert "recall_mean" in table["markdown"] and (run / "pareto_recall.png").exists()
+    assert (run / "kl_steps.png").exists()

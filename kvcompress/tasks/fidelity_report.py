@@ -81,11 +81,11 @@ def plot_recall(trace: dict, out_dir: Path, title: str) -> list[Path]:
     recall = torch.tensor(trace["recall"])  # (S, L, H_kv)
     steps = trace["layer_step"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [4, 1]})
-    im = a.imshow(recall.mean(2).T, aspect="auto", vmin=0, vmax=1, cmap="viridis", origin="lower",
+    im = a.imshow(recall.mean(2).T.numpy(), aspect="auto", vmin=0, vmax=1, cmap="viridis", origin="lower",
                   extent=(steps[0], steps[-1] + 1, -0.5, recall.shape[1] - 0.5))  # fmt: skip
     a.set(xlabel="token position (measured step)", ylabel="layer", title=f"attention recall: {title}")
     a.title.set_fontsize(8)
-    b.imshow(recall.mean(0), aspect="auto", vmin=0, vmax=1, cmap="viridis", origin="lower")
+    b.imshow(recall.mean(0).numpy(), aspect="auto", vmin=0, vmax=1, cmap="viridis", origin="lower")
     for (i, j), v in _cells(recall.mean(0)):
         b.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=5, color="w")
     b.set(xlabel="KV head", ylabel="layer", title="mean over steps")
@@ -107,10 +107,10 @@ def plot_kl(trace: dict, path: Path, title: str) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.5))
     kl = torch.tensor(trace["kl"])
-    ax.plot(trace["token"], kl, lw=0.5, alpha=0.4, label="per token")
+    ax.plot(trace["token"], kl.numpy(), lw=0.5, alpha=0.4, label="per token")
     if len(kl) >= 32:
         smooth = kl.unfold(0, 32, 1).mean(-1)
-        ax.plot(trace["token"][31:], smooth, lw=1.5, label="running mean (32)")
+        ax.plot(trace["token"][31:], smooth.numpy(), lw=1.5, label="running mean (32)")
     ax.set(xlabel="token position", ylabel="KL(full || policy) nats", title=f"KL over steps: {title}")
     ax.title.set_fontsize(8)
     ax.legend(fontsize=7)
