@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
-from kvcompress.results import write_json_atomic
+from kvcompress.results import write_text_atomic
 
 CURVE_POINTS = 64  # the KL curve kept in results.json: mean KL over this many bins of tokens
 
@@ -58,10 +59,10 @@ def _rounded(x):
 
 
 def write_outputs(trace: dict, summary: dict, out_dir, title: str = "") -> list[Path]:
-    """``fidelity.json`` (the whole trace, 4 significant digits) and the PNG plots in ``out_dir``."""
+    """``fidelity.json`` (the whole trace, 4 significant digits, compact) and the PNG plots in ``out_dir``."""
     out_dir = Path(out_dir)
     record = {"summary": summary, **{k: _rounded(v) for k, v in trace.items()}}
-    write_json_atomic(out_dir / "fidelity.json", record)
+    write_text_atomic(out_dir / "fidelity.json", json.dumps(record, separators=(",", ":"), default=str))
     files = [out_dir / "fidelity.json"]
     if trace["recall"]:
         files += plot_recall(trace, out_dir, title)
