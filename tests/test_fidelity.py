@@ -200,3 +200,20 @@ def test_fidelity_task_writes_trace_plots_and_summary(llama, char_tokenizer, tmp
     table = collect(run)
     assert "recall_mean" in table["markdown"] and (run / "pareto_recall.png").exists()
     assert (run / "kl_steps.png").exists()
+
+
+def test_quest_reading_fewer_pages_is_not_flagged_as_a_no_op(llama, char_tokenizer, tmp_path):
+    import warnings
+
+    from kvcompress import make_policy
+    from kvcompress.tasks import fidelity
+
+    (tmp_path / "t.txt").write_text("The cat sat. A dog ran far away! Birds sing at dawn. " * 10)
+    cfg = OmegaConf.load("conf/task/fidelity.yaml")
+    cfg.update(text=str(tmp_path / "t.txt"), max_tokens=80, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the "did not compress" warning would fail here
+        m = fidelity.run(
+            llama, char_tokenizer, make_policy("block_sparse", block_size=4, top_k_blocks=3), cfg
+        )
+    assert m["reads_fewer"] and not m["compressed"] and m["recall_mean"] < 1 and "warning" not in m
