@@ -21,7 +21,8 @@ SETTINGS = {
 }
 HEAD = (
     "| policy | setting | tokens scored | mean recall | min recall (worst step) | worst layer's recall "
-    "| mean KL | top-1 agreement | perplexity | full ppl, same tokens | cache_ratio | output error | key error |"
+    "| mean KL | top-1 agreement | perplexity | full ppl, same tokens | cache_ratio | output error "
+    "| key error |"
 )
 
 
