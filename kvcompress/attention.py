@@ -144,6 +144,8 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
         )
     else:
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    if layer is not None and layer.probe is not None:  # fidelity diagnostics, before any eviction
+        layer.probe.attended(layer, query, key, value, attention_mask, scaling, out)
     if wants:
         with TIMER.measure():
             layer.observe_attention(query, key, scaling, probs)  # the scores, handed to the layer itself

@@ -25,11 +25,11 @@ def _main(cfg: DictConfig) -> None:
     run_experiment(cfg, Path(hydra_cfg.runtime.output_dir), raise_errors=hydra_cfg.mode != RunMode.MULTIRUN)
 
 
-SUBCOMMANDS = {"bench": "task=bench"}
+SUBCOMMANDS = {"bench": "task=bench", "compare": "task=compare"}
 
 
 def main() -> None:
-    """``kvcompress [bench] [overrides...]``: a subcommand is shorthand for its task override."""
+    """``kvcompress [bench|compare] [overrides...]``: a subcommand is shorthand for its task override."""
     if len(sys.argv) > 1 and sys.argv[1] in SUBCOMMANDS:
         sys.argv[1] = SUBCOMMANDS[sys.argv[1]]
     _main()

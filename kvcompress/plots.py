@@ -1,4 +1,5 @@
-"""Plots from result records: perplexity vs cache bytes (Pareto front), NIAH heat-maps, decode speed."""
+"""Plots from result records: perplexity (or attention recall) vs cache bytes (Pareto front), NIAH heat-maps,
+decode speed, KL over steps."""
 
 from __future__ import annotations
 
@@ -33,13 +34,14 @@ def perplexity_key(rows: list[dict]) -> str | None:
     return found[0] if found else None
 
 
-def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Points (bytes, perplexity) that no other point beats on both (fewer bytes and lower perplexity)."""
+def pareto_front(points: list[tuple[float, float]], higher: bool = False) -> list[tuple[float, float]]:
+    """Points (bytes, perplexity) that no other point beats on both (fewer bytes and lower perplexity);
+    ``higher``: a larger y is better (attention recall)."""
     front, best = [], float("inf")
     for x, y in sorted(points):
-        if y < best:
+        if (-y if higher else y) < best:
             front.append((x, y))
-            best = y
+            best = -y if higher else y
     return front
 
 
@@ -51,8 +53,10 @@ def varying_params(rows: list[dict]) -> list[str]:
     return [" ".join(f for f in fs if f not in shared) for fs in fields]
 
 
-def plot_pareto(rows: list[dict], path: Path) -> Path | None:
-    key = perplexity_key(rows)
+def plot_pareto(rows: list[dict], path: Path, key: str | None = None) -> Path | None:
+    """``key`` (default: perplexity) against cache bytes, per policy, with the Pareto front."""
+    higher = key == "recall_mean"
+    key = key or perplexity_key(rows)
     rows = [r for r in rows if key and r.get(key) is not None and r.get("cache_bytes")]
     if not rows:
         return None
@@ -67,7 +71,7 @@ def plot_pareto(rows: list[dict], path: Path) -> Path | None:
         _error_bars(ax, xs, ys, [interval(r, key) for r in group], points.get_facecolor()[0])
         for r, text in zip(group, varying_params(group), strict=True):
             ax.annotate(text, (r["cache_bytes"] / 2**20, r[key]), fontsize=7, alpha=0.8)
-    front = pareto_front([(r["cache_bytes"] / 2**20, r[key]) for r in rows])
+    front = pareto_front([(r["cache_bytes"] / 2**20, r[key]) for r in rows], higher)
     ax.plot(*zip(*front, strict=True), "k--", lw=1, label="Pareto front")
     title = f"{key} vs cache bytes" + (" (bars: 95% interval)" if any(interval(r, key) for r in rows) else "")
     ax.set(xscale="log", xlabel="cache MiB (log)", ylabel=key, title=title)
@@ -170,6 +174,24 @@ def plot_speed(records: list[dict], path: Path) -> Path | None:
     return _save(fig, plt, path)
 
 
+def plot_kl_curves(records: list[dict], path: Path) -> Path | None:
+    """KL(full || policy) over the scored tokens, one curve per run (``task=fidelity``'s ``kl_curve``),
+    on a log axis floored at 1e-5 (exact agreement sits on the floor)."""
+    ok = [r for r in records if r.get("metrics", {}).get("kl_curve")]
+    if not ok:
+        return None
+    rows = [flatten(r) for r in ok]
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for r, row, extra in zip(ok, rows, varying_params(rows), strict=True):
+        x, y = zip(*r["metrics"]["kl_curve"], strict=True)
+        ax.plot(x, [max(v, 1e-5) for v in y], label=f"{row['policy']} {extra}".strip())
+    ax.set(xlabel="token position", ylabel="KL(full || policy), nats", yscale="log", ylim=(1e-5, None))
+    ax.set_title("KL over steps (mean per bin of tokens)")
+    ax.legend(fontsize=6)
+    return _save(fig, plt, path)
+
+
 def _save(fig, plt, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -185,5 +207,7 @@ def make_plots(records: list[dict], out_dir: Path) -> list[Path]:
         plot_pareto(rows, Path(out_dir) / "pareto.png"),
         plot_niah(ok, Path(out_dir) / "niah_heatmap.png"),
         plot_speed(ok, Path(out_dir) / "decode_speed.png"),
+        plot_pareto(rows, Path(out_dir) / "pareto_recall.png", key="recall_mean"),
+        plot_kl_curves(ok, Path(out_dir) / "kl_steps.png"),
     ]
     return [p for p in made if p is not None]

@@ -97,6 +97,8 @@ class BlockSparseLayer(PolicyLayer):
         self._view = (self._view[0], None, None)  # drop the transient references
         pages = self.select(query[:, :, 0])
         idx, ok = self._tokens(pages, key.shape[-2])
+        if self.read_pos is not None:  # a probe watches: positions of the pages read
+            self.read_pos = self.read_pos.expand(-1, idx.shape[1], -1).gather(-1, idx)
         if self.window is not None:  # never beyond the model's own window
             kpos = idx if self.pos is None else self.pos.expand(-1, idx.shape[1], -1).gather(-1, idx)
             ok = ok & self._window_mask(kpos, torch.tensor(self.seen - 1, device=self.device))

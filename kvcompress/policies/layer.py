@@ -29,6 +29,9 @@ class PolicyLayer(CacheLayerMixin):
     per_token: tuple[str, ...] = ()  # (B, 1 or H_kv, T) tensors aligned with the stored tokens
     per_row: tuple[str, ...] = ()  # (B, ...) tensors
     deferred = False  # this step's attention reads the store itself (``attend_codes``), not a dense copy
+    probe = None  # a fidelity probe watching this layer (``watch``), or None
+    read_pos: torch.Tensor | None = None  # (B, 1 or H_kv, T) positions this step's attention reads (probed)
+    probe_only_pos = False  # ``pos`` is tracked only for the probe: not the policy's bytes
 
     def __init__(self, policy, layer_idx: int, spec, store):
         self.is_initialized = (
@@ -56,6 +59,8 @@ class PolicyLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if self.deferred:  # the last step's attention never came: end that step now
             self.read_deferred()
+        if self.probe is not None:
+            self.probe.stored(self, key_states, value_states)
         b, _, q, _ = key_states.shape
         new_valid = attention.new_token_validity(b, q, key_states.device)
         self.on_append(key_states, new_valid)
@@ -70,7 +75,9 @@ class PolicyLayer(CacheLayerMixin):
             self.deferred, self._view = True, (self.stored_length(), None, None)
             return _unread(key_states, self.stored_length()), _unread(value_states, self.stored_length())
         keys, values = self.store.read()
-        self._view = (keys.shape[-2], self.valid, self.pos)
+        self._view = (keys.shape[-2], self.valid, None if self.probe_only_pos else self.pos)
+        if self.probe is not None:  # before compress: the positions of what this step's attention reads
+            self.read_pos = self.pos
         self.compress(keys, values)
         if not self.wants_scores:
             self.end_step()
@@ -81,7 +88,7 @@ class PolicyLayer(CacheLayerMixin):
         full-attention layer whose selector neither looks at nor narrows what is read."""
         plain = type(self).compress is PolicyLayer.compress and type(self).attend is PolicyLayer.attend
         simple = q == 1 and self.valid is None and self.window is None and not self.wants_scores
-        return plain and simple and self.store.attends_codes()
+        return plain and simple and self.probe is None and self.store.attends_codes()  # a probe reads K/V
 
     def attend_codes(self, query, scaling: float) -> torch.Tensor:
         """A deferred step's output (B, 1, H, D) straight from the store (no dense copy); the step ends."""
@@ -104,6 +111,29 @@ class PolicyLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         return self.seen
+
+    # -- positions, for diagnostics ---------------------------------------------------------------
+    def watch(self, probe) -> None:
+        """Attach ``probe`` (``kvcompress.metrics.fidelity``): ``update`` hands it each step's exact keys and
+        values, the attention function what attention read. Turns on position tracking (int32 per stored
+        token; not counted in ``memory_bytes`` when only the probe needs it). Only before the first token."""
+        if self.seen and not self.track:
+            raise ValueError(
+                f"layer {self.layer_idx}: watch() before the first update (positions of evicted tokens "
+                "are not known afterwards)"
+            )
+        self.probe, self.probe_only_pos, self.track = probe, not self.track, True
+
+    def positions(self) -> torch.Tensor:
+        """Absolute positions (B, 1 or H_kv, T) int32 of the stored tokens, per row and head (padding slots
+        hold the position they were consumed at). Needs tracking: a policy that uses them, or ``watch``."""
+        if not self.track:
+            raise ValueError(
+                f"{type(self).__name__} does not track positions; call watch() before the first update"
+            )
+        if self.pos is None:
+            return torch.zeros(1, 1, 0, dtype=torch.int32)
+        return self.pos
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         stored = self.stored_length()
@@ -203,7 +233,8 @@ class PolicyLayer(CacheLayerMixin):
     # -- bytes and counters ---------------------------------------------------------------------
     def tensors(self) -> list[torch.Tensor]:
         own = [getattr(self, name) for name in (*self.per_token, *self.per_row)]
-        return [*self.store.tensors(), self.valid, self.pos, self.left_pad, *own]
+        pos = None if self.probe_only_pos else self.pos  # a probe's positions are not the policy's bytes
+        return [*self.store.tensors(), self.valid, pos, self.left_pad, *own]
 
     def memory_bytes(self) -> int:
         return storage_bytes(self.tensors())
