@@ -16,10 +16,10 @@ from tqdm.auto import tqdm
 
 from kvcompress import attention
 from kvcompress.cache import PEERS, build_cache, held_bytes, known_policies, make_policy, peer_cache
-from kvcompress.context_pass import after_prefill
+from kvcompress.context_pass import after_prefill, forward_prompt
 from kvcompress.guard import check_fits
 from kvcompress.memory_model import predicted_for_model
-from kvcompress.metrics.memory import peak_rss_bytes
+from kvcompress.metrics.memory import peak_rss_bytes, tier_summary
 from kvcompress.metrics.speed import _sync
 from kvcompress.profiling import timing
 from kvcompress.report import markdown_table
@@ -29,6 +29,7 @@ BENCH_COLUMNS = [
     "cache", "context", "ttft_s", "decode_tok_s", "policy_overhead", "cache_bytes",
     "ttft_vs_full", "decode_vs_full", "bytes_vs_full", "predicted_bytes", "bytes_vs_predicted",
 ]  # fmt: skip
+TIER_COLUMNS = ["host_bytes", "disk_bytes", "bytes_fetched_per_step", "pages_fetched_per_step", "lru_hit_rate"]
 
 
 def _contenders(cfg) -> dict:
@@ -59,7 +60,7 @@ def _measure(model, ids, cache, decode_tokens: int, after=None) -> dict:
     steps; seconds and policy seconds during decode."""
     _sync(model.device)
     t0 = time.perf_counter()
-    logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+    logits = forward_prompt(model, cache, ids, logits_to_keep=1).logits
     if after is not None:
         after(cache, ids)
     _sync(model.device)
@@ -70,7 +71,8 @@ def _measure(model, ids, cache, decode_tokens: int, after=None) -> dict:
             logits = model(logits.argmax(-1), cache=cache, use_cache=True).logits[:, -1:]
         _sync(model.device)
         decode = time.perf_counter() - t1
-    return {"ttft_s": ttft, "decode_s": decode, "policy_s": timer.seconds, "bytes": held_bytes(cache)}
+    tiers = tier_summary(cache.stats()) if hasattr(cache, "stats") else {}
+    return {"ttft_s": ttft, "decode_s": decode, "policy_s": timer.seconds, "bytes": held_bytes(cache), **tiers}
 
 
 def _summarise(samples: dict, decode_tokens: int) -> list[dict]:
@@ -85,6 +87,7 @@ def _summarise(samples: dict, decode_tokens: int) -> list[dict]:
                 "decode_tok_s": decode_tokens / med["decode_s"],
                 "policy_overhead": med["policy_s"] / med["decode_s"],
                 "cache_bytes": int(med["bytes"]),
+                **{k: med[k] for k in TIER_COLUMNS if k in med},  # tiered: per tier, fetches, hit rate
             }
         )
     for row in rows:
@@ -127,5 +130,6 @@ def run(model, tokenizer, policy, cfg) -> dict:
     attention.install(model)
     rows = _summarise(samples, cfg.decode_tokens)
     _add_predictions(rows, contenders, model, cfg.decode_tokens)
-    print(markdown_table(rows, BENCH_COLUMNS))
+    tiered = TIER_COLUMNS if any("lru_hit_rate" in r for r in rows) else []
+    print(markdown_table(rows, BENCH_COLUMNS + tiered))
     return {"rows": rows, "peak_rss_bytes": peak_rss_bytes(), "decode_tokens": cfg.decode_tokens}

@@ -74,6 +74,13 @@ def compression_summary(policy_name: str, cases: list[dict]) -> dict:
     return summary
 
 
+def tier_means(cases: list[dict]) -> dict:
+    """Means over the cases of a tiered cache's bytes per tier, fetches per step and LRU hit rate."""
+    keys = [k for k in ("device_bytes", "host_bytes", "disk_bytes", "bytes_fetched_per_step", "lru_hit_rate")
+            if all(k in c for c in cases)]  # fmt: skip
+    return {f"{k}_mean": sum(c[k] for c in cases) / len(cases) for k in keys}
+
+
 def run_grid(model, tokenizer, policy, cfg, make_case, out_dir=None, name: str = "niah") -> dict:
     """Every (length, depth) of ``cfg`` through ``make_case(length, depth) -> Case``; returns metrics."""
     grid = [(n, d) for n in cfg.lengths for d in cfg.depths]
@@ -90,6 +97,7 @@ def run_grid(model, tokenizer, policy, cfg, make_case, out_dir=None, name: str =
         "cases_total": len(cases),
         "question_in_prompt": bool(cfg.question_in_prompt),
         **compression_summary(policy.name, cases),
+        **tier_means(cases),
         "table": {str(d): {str(n): a for n, a in row.items()} for d, row in table.items()},
         "cases": cases,
     }
