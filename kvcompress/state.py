@@ -46,6 +46,9 @@ def encode(value, name: str, tensors: dict):
     if isinstance(value, Store):  # a store inside a store (keys and values stored apart): its own state
         kind = f"{type(value).__module__}.{type(value).__qualname__}"
         return {"store": {"class": kind, "state": encode(state_attributes(value), name, tensors)["dict"]}}
+    if hasattr(value, "saved_state"):  # an object that says what to save (a cold tier: rows, not its file)
+        kind = f"{type(value).__module__}.{type(value).__qualname__}"
+        return {"object": kind, "state": encode(value.saved_state(), name, tensors)}
     raise TypeError(f"cannot save {name}: a {type(value).__name__} (teach kvcompress.state.encode its kind)")
 
 
@@ -59,6 +62,8 @@ def decode(node, tensors: dict, device):
         return getattr(torch, node["dtype"])
     if "device" in node:
         return torch.device(device)
+    if "object" in node:
+        return _named(node["object"]).from_saved(decode(node["state"], tensors, device))
     if "namedtuple" in node:
         return _named(node["namedtuple"])(*(decode(v, tensors, device) for v in node["items"]))
     if "list" in node:

@@ -80,6 +80,19 @@ class ColdPages:
     def clear(self) -> None:
         self.data, self.used = None, 0  # a mapped file's space is freed with its last reference
 
+    def saved_state(self) -> dict:
+        """What a cache file keeps (``kvcompress.state``): the tier's settings and its rows, not its file."""
+        rows = None if self.data is None else self.data[: self.used]
+        return {"tier": self.tier, "folder": self.folder, "row": self.row, "dtype": self.dtype,
+                "device": self.device, "rows": rows}  # fmt: skip
+
+    @classmethod
+    def from_saved(cls, state: dict) -> ColdPages:
+        new = cls(state["tier"], state["folder"], state["row"], state["dtype"], state["device"])
+        if state["rows"] is not None:
+            new.append(state["rows"].to("cpu"))
+        return new
+
     def __deepcopy__(self, memo):
         """A copy in the same tier (a new mapped file for ``disk``): snapshots never share cold pages."""
         new = ColdPages(self.tier, self.folder, self.row, self.dtype, self.device)

@@ -33,8 +33,6 @@ class OffloadStore(Store):
     """Hot tail ``keys``/``values`` (B, H_kv, W, D), cold pages in ``cold``, their key bounds
     ``page_min``/``page_max`` (B, H_kv, P, D) and the fetched pages ``lru`` on the device."""
 
-    saveable = False  # the cold tier is host memory or a mapped file: snapshots yes, cache files no
-
     def __init__(self, config, layer_idx, spec, kinds=KINDS):
         super().__init__(config, layer_idx, spec, kinds)
         self.slots = buffers.Slots()
@@ -86,7 +84,7 @@ class OffloadStore(Store):
         self.values = self.slots.take_spans("values", self.values, [(m * bs, self.values.shape[-2])])
 
     def _summarise(self, pages: torch.Tensor, valid: torch.Tensor | None) -> None:
-        """Append per-channel key min/max (B, H_kv, m, D) of ``pages`` (B, H_kv, m, bs, D); padding excluded."""
+        """Append the key min/max (B, H_kv, m, D) of ``pages`` (B, H_kv, m, bs, D); padding excluded."""
         lo, hi = pages, pages
         if valid is not None:
             lo, hi = pages.masked_fill(~valid, math.inf), pages.masked_fill(~valid, -math.inf)

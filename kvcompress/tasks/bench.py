@@ -29,7 +29,13 @@ BENCH_COLUMNS = [
     "cache", "context", "ttft_s", "decode_tok_s", "policy_overhead", "cache_bytes",
     "ttft_vs_full", "decode_vs_full", "bytes_vs_full", "predicted_bytes", "bytes_vs_predicted",
 ]  # fmt: skip
-TIER_COLUMNS = ["host_bytes", "disk_bytes", "bytes_fetched_per_step", "pages_fetched_per_step", "lru_hit_rate"]
+TIER_COLUMNS = [
+    "host_bytes",
+    "disk_bytes",
+    "bytes_fetched_per_step",
+    "pages_fetched_per_step",
+    "lru_hit_rate",
+]
 
 
 def _contenders(cfg) -> dict:
@@ -72,7 +78,8 @@ def _measure(model, ids, cache, decode_tokens: int, after=None) -> dict:
         _sync(model.device)
         decode = time.perf_counter() - t1
     tiers = tier_summary(cache.stats()) if hasattr(cache, "stats") else {}
-    return {"ttft_s": ttft, "decode_s": decode, "policy_s": timer.seconds, "bytes": held_bytes(cache), **tiers}
+    seconds = {"ttft_s": ttft, "decode_s": decode, "policy_s": timer.seconds}
+    return {**seconds, "bytes": held_bytes(cache), **tiers}
 
 
 def _summarise(samples: dict, decode_tokens: int) -> list[dict]:
