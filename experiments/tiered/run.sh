@@ -18,11 +18,11 @@ run() { local name=$1; shift; [ -f "$R/$name/results.json" ] && grep -q '"status
 what=${1:-all}
 if [[ $what == all || $what == niah ]]; then
   # NIAH at 2k, 5 depths, question AFTER the compressed context (decode steps), chat template
-  run niah2k_full policy=full $NIAH
   run niah2k_tiered_host policy=tiered $NIAH
   run niah2k_snapkv policy=snapkv policy.budget=$BUDGET policy.compression_ratio=null $NIAH
   run niah2k_h2o policy=h2o policy.budget=$BUDGET policy.compression_ratio=null $NIAH
   run niah2k_block_evict policy=block_evict policy.budget=$BUDGET policy.compression_ratio=null $NIAH
+  run niah2k_full policy=full $NIAH
 fi
 if [[ $what == all || $what == ppl ]]; then
   # decode-mode perplexity over 1024 tokens at ~0.3 device bytes: fewer LRU pages than the 2k default
