@@ -11,7 +11,7 @@ R=experiments/tiered/runs
 NIAH="task=niah task.question_in_prompt=false task.chat_template=true task.progress=false"
 PREFIX="task=perplexity task.max_tokens=2049 task.prefix_tokens=1536 task.chunk_size=1 task.speed=false task.progress=false"
 DECODE="task=perplexity task.max_tokens=1024 task.chunk_size=1 task.speed=false task.progress=false"
-BENCH="task=bench task.policies=[full,tiered] task.peers=[] task.lengths=[2048,4096] task.decode_tokens=32 task.warmup=1 task.repeats=2 task.progress=false"
+BENCH="task=bench task.policies=[full,tiered] task.peers=[] task.lengths=[2048,4096] task.decode_tokens=16 task.warmup=1 task.repeats=1 task.progress=false"
 BUDGET=560  # tokens per layer and KV head: the eviction policies at tiered's device bytes at 2k (~0.28 of full)
 run() { local name=$1; shift; [ -f "$R/$name/results.json" ] && grep -q '"status": "ok"' "$R/$name/results.json" && return 0; $K "$@" hydra.run.dir="$R/$name"; }
 
@@ -35,6 +35,6 @@ fi
 if [[ $what == all || $what == bench ]]; then
   # decode tokens/s vs full at 2k and 4k, host and disk tiers, bytes fetched per step
   run bench_host policy=full $BENCH
-  run bench_disk policy=full $BENCH "+task.policy_overrides={tiered:{storage:{name:offload,tier:disk}}}"
+  run bench_disk policy=full $BENCH "+task.policy_overrides.tiered={storage:{name:offload,tier:disk}}"
 fi
 $PY scripts/collect.py "$R" || true
