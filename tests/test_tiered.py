@@ -221,7 +221,7 @@ def test_refusals_name_the_field_and_the_fix():
         build_cache("tiered", model, storage="dense")
     with pytest.raises(ValueError, match="policy=tiered"):
         build_cache("h2o", model, storage="offload")
-    with pytest.raises(ValueError, match=r"tiered.top_k_blocks=30 must be <= storage.lru_pages=24"):
-        build_cache("tiered", model, top_k_blocks=30)
+    with pytest.raises(ValueError, match=r"tiered.top_k_blocks=50 must be <= storage.lru_pages=38"):
+        build_cache("tiered", model, top_k_blocks=50)
     with pytest.raises(ValueError, match=r"offload.tier='ssd'"):
         build_cache("tiered", model, storage={"name": "offload", "tier": "ssd"})

@@ -12,13 +12,14 @@ NIAH="task=niah task.question_in_prompt=false task.chat_template=true task.progr
 PREFIX="task=perplexity task.max_tokens=2049 task.prefix_tokens=1536 task.chunk_size=1 task.speed=false task.progress=false"
 DECODE="task=perplexity task.max_tokens=1024 task.chunk_size=1 task.speed=false task.progress=false"
 BENCH="task=bench task.policies=[full,tiered] task.peers=[] task.lengths=[2048,4096] task.decode_tokens=16 task.warmup=1 task.repeats=1 task.progress=false"
-BUDGET=560  # tokens per layer and KV head: the eviction policies at tiered's device bytes at 2k (~0.28 of full)
+BUDGET=600  # tokens per layer and KV head: the eviction policies at tiered's device bytes at 2k (~0.29 of full)
 run() { local name=$1; shift; [ -f "$R/$name/results.json" ] && grep -q '"status": "ok"' "$R/$name/results.json" && return 0; $K "$@" hydra.run.dir="$R/$name"; }
 
 what=${1:-all}
 if [[ $what == all || $what == niah ]]; then
   # NIAH at 2k, 5 depths, question AFTER the compressed context (decode steps), chat template
-  run niah2k_tiered_host policy=tiered $NIAH
+  # tiered with its defaults written out (block_size 8, recent 32, 38 pages per step and KV head: 0.289 of full)
+  run niah2k_tiered_host policy=tiered policy.top_k_blocks=38 storage=offload storage.block_size=8 storage.recent=32 storage.lru_pages=38 $NIAH
   run niah2k_snapkv policy=snapkv policy.budget=$BUDGET policy.compression_ratio=null $NIAH
   run niah2k_h2o policy=h2o policy.budget=$BUDGET policy.compression_ratio=null $NIAH
   run niah2k_block_evict policy=block_evict policy.budget=$BUDGET policy.compression_ratio=null $NIAH
@@ -27,7 +28,7 @@ fi
 if [[ $what == all || $what == ppl ]]; then
   # decode-mode perplexity over 1024 tokens at ~0.3 device bytes: fewer LRU pages than the 2k default
   run decode_full policy=full $DECODE
-  run decode_tiered policy=tiered policy.top_k_blocks=8 storage=offload storage.lru_pages=9 $DECODE
+  run decode_tiered policy=tiered policy.top_k_blocks=17 storage=offload storage.lru_pages=17 $DECODE
   # prefix perplexity: 1536 tokens prefilled (in 256-token chunks), 512 scored, defaults (<= 0.3 at 2k)
   run prefix_full policy=full $PREFIX
   run prefix_tiered policy=tiered $PREFIX

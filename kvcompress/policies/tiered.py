@@ -39,7 +39,7 @@ class TieredPolicy(Policy):
     }
     FUZZ = {"top_k_blocks": (1, 6), "sink_blocks": (0, 2), "prefill_chunk": (1, 64)}
 
-    top_k_blocks: int = Int(16, low=1)
+    top_k_blocks: int = Int(38, low=1)
     read_ratio: float | None = Float(None, 0.0, 1.0, low_open=True, null=True)
     sink_blocks: int = Int(1, low=0)
     prefill_chunk: int = Int(256, low=1)

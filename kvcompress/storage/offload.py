@@ -164,9 +164,9 @@ class OffloadStorage(Storage):
                    "lru_pages": 4, "tier": "disk"}]  # fmt: skip
     FUZZ = {"block_size": (1, 8), "recent": (0, 12), "lru_pages": (1, 8), "tier": list(TIERS)}
 
-    block_size: int = Int(16, low=1)
-    recent: int = Int(64, low=0)
-    lru_pages: int = Int(24, low=1)
+    block_size: int = Int(8, low=1)
+    recent: int = Int(32, low=0)
+    lru_pages: int = Int(38, low=1)
     tier: str = Choice("host", TIERS)
     dir: str | None = None
 
