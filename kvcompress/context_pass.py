@@ -134,10 +134,36 @@ def _reconstruct(model, cache, ids, valid, first_position) -> None:
     model(ids.to(dev), cache=cache, use_cache=True, logits_to_keep=1, **kwargs)
 
 
+def prefill_chunk(cache) -> int | None:
+    """Tokens per prefill forward a cache asks for (its layers' ``prefill_chunk``, the smallest), or None."""
+    sizes = [getattr(layer, "prefill_chunk", None) for layer in getattr(cache, "layers", ())]
+    sizes = [n for n in sizes if n]
+    return min(sizes) if sizes else None
+
+
+def forward_prompt(model, cache, ids, **kwargs):
+    """Prefill ``ids`` (1 or B, T): one forward, or forwards of ``prefill_chunk(cache)`` tokens (a tiered
+    cache: device bytes then peak at its hot budget plus one chunk). Returns the last forward's output;
+    a padding ``attention_mask`` (B, T) is cut per chunk, with positions counted from each row's first token.
+    """
+    ids = ids.to(model.device)
+    size = prefill_chunk(cache)
+    if not size or ids.shape[1] <= size:
+        return model(ids, cache=cache, use_cache=True, **kwargs)
+    mask = kwargs.pop("attention_mask", None)
+    positions = None if mask is None else (mask.long().cumsum(-1) - 1).clamp(min=0)
+    for start in range(0, ids.shape[1], size):
+        end = start + size
+        if mask is not None:
+            kwargs.update(attention_mask=mask[:, :end], position_ids=positions[:, start:end])
+        out = model(ids[:, start:end], cache=cache, use_cache=True, **kwargs)
+    return out
+
+
 def prefill(model, cache, ids, tokenizer=None, **kwargs):
-    """One prefill forward of ``ids`` (1 or B, T), then the context pass when the cache needs one; returns
-    the forward's output (its logits saw the uncompressed prompt, as any prefill's do)."""
-    out = model(ids.to(model.device), cache=cache, use_cache=True, **kwargs)
+    """Prefill ``ids`` (1 or B, T) (``forward_prompt``), then the context pass when the cache needs one;
+    returns the (last) forward's output (its logits saw the uncompressed prompt, as any prefill's do)."""
+    out = forward_prompt(model, cache, ids, **kwargs)
     if needs_context_pass(cache):
         compress_context(model, cache, ids, tokenizer, kwargs.get("attention_mask"))
     return out

@@ -55,6 +55,9 @@ def encode(value, name: str, tensors: dict, memo: dict | None = None):
         kind = f"{type(value).__module__}.{type(value).__qualname__}"
         state = encode(state_attributes(value), name, tensors, memo)["dict"]
         return {"store": {"class": kind, "state": state}}
+    if hasattr(value, "saved_state"):  # an object that says what to save (a cold tier: rows, not its file)
+        kind = f"{type(value).__module__}.{type(value).__qualname__}"
+        return {"object": kind, "state": encode(value.saved_state(), name, tensors, memo)}
     raise TypeError(f"cannot save {name}: a {type(value).__name__} (teach kvcompress.state.encode its kind)")
 
 
@@ -68,6 +71,8 @@ def decode(node, tensors: dict, device):
         return getattr(torch, node["dtype"])
     if "device" in node:
         return torch.device(device)
+    if "object" in node:
+        return _named(node["object"]).from_saved(decode(node["state"], tensors, device))
     if "namedtuple" in node:
         return _named(node["namedtuple"])(*(decode(v, tensors, device) for v in node["items"]))
     if "list" in node:

@@ -48,3 +48,21 @@ def read_summary(stats: list[dict]) -> dict:
         "read_bytes_ratio": read / max(total["kv_bytes_full"], 1),
         "pages_read_fraction": pages,
     }
+
+
+def tier_summary(stats: list[dict]) -> dict:
+    """Bytes per tier and fetch traffic over all layers of a tiered cache (``offload`` storage): device,
+    host and disk bytes, pages and bytes fetched per step (summed over layers), and the LRU hit rate (the
+    cache hit rate). Empty for caches without a cold tier."""
+    tiered = [s for s in stats if "lru_lookups" in s]
+    if not tiered:
+        return {}
+    total = {k: sum(s[k] for s in tiered) for k in ("host_bytes", "disk_bytes", "lru_hits", "lru_lookups")}
+    return {
+        "device_bytes": sum(s["bytes"] for s in stats),
+        "host_bytes": total["host_bytes"],
+        "disk_bytes": total["disk_bytes"],
+        "pages_fetched_per_step": sum(s["pages_fetched_per_step"] for s in tiered),
+        "bytes_fetched_per_step": sum(s["bytes_fetched_per_step"] for s in tiered),
+        "lru_hit_rate": total["lru_hits"] / max(total["lru_lookups"], 1),
+    }

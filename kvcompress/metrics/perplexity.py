@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from kvcompress.context_pass import forward_prompt
+
 
 class NonFiniteError(RuntimeError):
     """NaN/Inf appeared in logits; carries the token index where it happened."""
@@ -64,7 +66,7 @@ def decode_perplexity(
     n = ids.shape[1]
     first = _check_prefix(prefix_tokens, n)
     if first:  # the prefix's own logits saw the uncompressed prefix: not scored
-        model(ids[:, :first], cache=cache, use_cache=True, logits_to_keep=1)
+        forward_prompt(model, cache, ids[:, :first], logits_to_keep=1)  # in chunks if the cache asks
         if after_prefix is not None:
             after_prefix(cache, ids[:, :first])
     nll, scored = 0.0, 0

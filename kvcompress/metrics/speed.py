@@ -7,6 +7,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from kvcompress.context_pass import forward_prompt
 from kvcompress.metrics.stats import median_iqr
 
 
@@ -20,7 +21,7 @@ def _one_run(model, input_ids, make_cache, decode_tokens: int, after_prefill=Non
     cache = make_cache()
     _sync(model.device)
     t0 = time.perf_counter()
-    logits = model(input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+    logits = forward_prompt(model, cache, input_ids, logits_to_keep=1).logits  # in chunks if it asks
     if after_prefill is not None:  # a query-agnostic policy's context pass is part of its prefill
         after_prefill(cache, input_ids)
     _sync(model.device)

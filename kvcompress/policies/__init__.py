@@ -14,6 +14,7 @@ from kvcompress.policies.quant import QuantPolicy
 from kvcompress.policies.schedule import SchedulePolicy
 from kvcompress.policies.sliding_window import SlidingWindowPolicy
 from kvcompress.policies.snapkv import SnapKVPolicy
+from kvcompress.policies.tiered import TieredPolicy
 from kvcompress.policies.tova import TOVAPolicy
 
 __all__ = [
@@ -34,5 +35,6 @@ __all__ = [
     "TOVAPolicy",
     "BlockSparsePolicy",
     "BlockEvictPolicy",
+    "TieredPolicy",
     "LowRankPolicy",
 ]

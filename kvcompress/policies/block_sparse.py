@@ -64,11 +64,7 @@ class BlockSparsePolicy(Policy):
 
     def pages_to_read(self, n_pages: torch.Tensor) -> torch.Tensor:
         """Pages read per row and head, given the non-empty pages ``n_pages`` (B, H_kv)."""
-        if self.read_ratio is None:
-            k = torch.full_like(n_pages, self.top_k_blocks)
-        else:
-            k = torch.ceil(n_pages * self.read_ratio).long().clamp(min=self.sink_blocks + 1)
-        return torch.minimum(k, n_pages)
+        return pages_to_read(n_pages, self.top_k_blocks, self.read_ratio, self.sink_blocks + 1)
 
     def pages_to_read_count(self, n_pages: int) -> int:
         """``pages_to_read`` for ``n_pages`` non-empty pages in every row and head, on the host (the same
@@ -85,3 +81,13 @@ class BlockSparsePolicy(Policy):
     def state_bytes(self, s: Shape, kept: int) -> int:
         """Per-page key min and max (B, H_kv, P, D) x 2 in the model dtype, ``P = ceil(T / block_size)``."""
         return s.kv(math.ceil(s.total / self.block_size))
+
+
+def pages_to_read(n_pages: torch.Tensor, top_k: int, read_ratio: float | None, least: int) -> torch.Tensor:
+    """Pages read per row and head (B, H_kv): ``top_k``, or ``ceil(read_ratio * n_pages)`` but at least
+    ``least``; never more than the non-empty pages ``n_pages`` (B, H_kv)."""
+    if read_ratio is None:
+        k = torch.full_like(n_pages, top_k)
+    else:
+        k = torch.ceil(n_pages * read_ratio).long().clamp(min=least)
+    return torch.minimum(k, n_pages)

@@ -79,16 +79,8 @@ class BlockSparseLayer(PolicyLayer):
         self.meta_len = total
 
     def page_bounds(self, query: torch.Tensor) -> torch.Tensor:
-        """Upper bound of q·k over each page, max over the query heads of a GQA group: (B, H_kv, P).
-
-        ``query`` is (B, H, D); per channel max(q·min, q·max) bounds q_i k_i for every key in the page.
-        """
-        b, h_kv, _, d = self.page_min.shape
-        q = query.reshape(b, h_kv, -1, 1, d)  # (B, H_kv, g, 1, D): heads h_kv*g .. share KV head h_kv
-        filled = self.page_max >= self.page_min  # (B, H_kv, P, D); False only for empty pages
-        lo, hi = self.page_min.where(filled, 0)[:, :, None], self.page_max.where(filled, 0)[:, :, None]
-        bound = torch.maximum(q * lo, q * hi).sum(-1).amax(2)  # (B, H_kv, P)
-        return bound.masked_fill(~filled[..., 0], -math.inf)
+        """Upper bound of q·k over each page, max over the query heads of a GQA group: (B, H_kv, P)."""
+        return page_bounds(self.page_min, self.page_max, query[:, :, None])
 
     # -- selection ----------------------------------------------------------------------------
     def attend(self, query, key, value):
@@ -147,6 +139,30 @@ class BlockSparseLayer(PolicyLayer):
     def stats(self) -> dict:
         c = {k: int(v) for k, v in self.counters.items()}
         return {**super().stats(), **c, "pages_read_fraction": c["pages_read"] / max(c["pages_total"], 1)}
+
+
+BOUND_ELEMENTS = 1 << 25  # largest (rows x pages x channels) temporary of one pass of page_bounds
+
+
+def page_bounds(page_min: torch.Tensor, page_max: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """Quest's upper bound of q·k over each page, max over a GQA group's query heads and over the queries
+    of a chunk: (B, H_kv, P), -inf for empty pages (no real token).
+
+    Args:
+        page_min, page_max: (B, H_kv, P, D) per-channel key bounds of each page.
+        query: (B, H, q, D); per channel max(q·min, q·max) bounds q_i k_i for every key in the page.
+    """
+    b, h_kv, p, d = page_min.shape
+    q = query.reshape(b, h_kv, -1, 1, d)  # (B, H_kv, g*q, 1, D): heads h_kv*g .. share KV head h_kv
+    filled = page_max >= page_min  # (B, H_kv, P, D); False only for empty pages
+    lo, hi = page_min.where(filled, 0)[:, :, None], page_max.where(filled, 0)[:, :, None]
+    step = max(1, BOUND_ELEMENTS // max(b * h_kv * p * d, 1))  # query rows per pass: bounded temporaries
+    bound = None
+    for i in range(0, q.shape[2], step):
+        part = q[:, :, i : i + step]
+        part = torch.maximum(part * lo, part * hi).sum(-1).amax(2)  # (B, H_kv, P)
+        bound = part if bound is None else torch.maximum(bound, part)
+    return bound.masked_fill(~filled[..., 0], -math.inf)
 
 
 def _grow(meta: torch.Tensor | None, like: torch.Tensor, n_pages: int, fill: float) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from kvcompress.storage.base import Storage, Store
 from kvcompress.storage.dense import DenseStorage
 from kvcompress.storage.low_rank import LowRankStorage
+from kvcompress.storage.offload import OffloadStorage
 from kvcompress.storage.quant import QuantStorage
 
-__all__ = ["Storage", "Store", "DenseStorage", "LowRankStorage", "QuantStorage"]
+__all__ = ["Storage", "Store", "DenseStorage", "LowRankStorage", "OffloadStorage", "QuantStorage"]

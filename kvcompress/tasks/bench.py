@@ -16,10 +16,10 @@ from tqdm.auto import tqdm
 
 from kvcompress import attention
 from kvcompress.cache import PEERS, build_cache, held_bytes, known_policies, make_policy, peer_cache
-from kvcompress.context_pass import after_prefill
+from kvcompress.context_pass import after_prefill, forward_prompt
 from kvcompress.guard import check_fits
 from kvcompress.memory_model import predicted_for_model
-from kvcompress.metrics.memory import peak_device_bytes, peak_rss_bytes
+from kvcompress.metrics.memory import peak_device_bytes, peak_rss_bytes, tier_summary
 from kvcompress.metrics.speed import _sync
 from kvcompress.metrics.stats import median_iqr
 from kvcompress.profiling import timing
@@ -32,6 +32,13 @@ BENCH_COLUMNS = [
     "predicted_bytes", "bytes_vs_predicted", "peak_rss_mb", "peak_device_mb",
 ]  # fmt: skip
 SCALING_COLUMNS = ["cache", "decode_ms_per_token_at_1k", "decode_ms_per_1k_context", "fit_points"]
+TIER_COLUMNS = [
+    "host_bytes",
+    "disk_bytes",
+    "bytes_fetched_per_step",
+    "pages_fetched_per_step",
+    "lru_hit_rate",
+]
 
 
 def _contenders(cfg) -> dict:
@@ -64,7 +71,7 @@ def _measure(model, ids, cache, decode_tokens: int, after=None) -> dict:
         torch.cuda.reset_peak_memory_stats(model.device)  # each row's own device peak
     _sync(model.device)
     t0 = time.perf_counter()
-    logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+    logits = forward_prompt(model, cache, ids, logits_to_keep=1).logits
     if after is not None:
         after(cache, ids)
     _sync(model.device)
@@ -75,9 +82,10 @@ def _measure(model, ids, cache, decode_tokens: int, after=None) -> dict:
             logits = model(logits.argmax(-1), cache=cache, use_cache=True).logits[:, -1:]
         _sync(model.device)
         decode = time.perf_counter() - t1
+    tiers = tier_summary(cache.stats()) if hasattr(cache, "stats") else {}
     return {
         "ttft_s": ttft, "decode_s": decode, "policy_s": timer.seconds, "bytes": held_bytes(cache),
-        "peak_rss": peak_rss_bytes(), "peak_device": peak_device_bytes(model.device) or 0,
+        "peak_rss": peak_rss_bytes(), "peak_device": peak_device_bytes(model.device) or 0, **tiers,
     }  # fmt: skip
 
 
@@ -100,6 +108,7 @@ def _summarise(samples: dict, decode_tokens: int) -> list[dict]:
                 "cache_bytes": int(med["bytes"]),
                 "peak_rss_mb": max(r["peak_rss"] for r in runs) / 2**20,  # the process's, up to this point
                 "peak_device_mb": max(r["peak_device"] for r in runs) / 2**20 or None,
+                **{k: med[k] for k in TIER_COLUMNS if k in med},  # tiered: per tier, fetches, hit rate
             }
         )
     for row in rows:
@@ -167,7 +176,8 @@ def run(model, tokenizer, policy, cfg) -> dict:
     rows = _summarise(samples, cfg.decode_tokens)
     _add_predictions(rows, contenders, model, cfg.decode_tokens)
     fits = scaling(rows)
-    print(markdown_table(rows, BENCH_COLUMNS))
+    tiered = TIER_COLUMNS if any("lru_hit_rate" in r for r in rows) else []
+    print(markdown_table(rows, BENCH_COLUMNS + tiered))
     print(markdown_table(fits, SCALING_COLUMNS))
     return {
         "rows": rows,

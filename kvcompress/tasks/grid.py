@@ -84,6 +84,13 @@ def accuracy_metrics(cases: list[dict]) -> dict:
             "cases_total": len(cases)}  # fmt: skip
 
 
+def tier_means(cases: list[dict]) -> dict:
+    """Means over the cases of a tiered cache's bytes per tier, fetches per step and LRU hit rate."""
+    keys = [k for k in ("device_bytes", "host_bytes", "disk_bytes", "bytes_fetched_per_step", "lru_hit_rate")
+            if all(k in c for c in cases)]  # fmt: skip
+    return {f"{k}_mean": sum(c[k] for c in cases) / len(cases) for k in keys}
+
+
 def run_grid(model, tokenizer, policy, cfg, make_case, out_dir=None, name: str = "niah", needles: int = 1):
     """Every (length, depth, needle) of ``cfg`` through ``make_case(length, depth, needle) -> Case``."""
     grid = [(n, d, k) for n in cfg.lengths for d in cfg.depths for k in range(needles)]
@@ -97,6 +104,7 @@ def run_grid(model, tokenizer, policy, cfg, make_case, out_dir=None, name: str =
         **accuracy_metrics(cases),
         "question_in_prompt": bool(cfg.question_in_prompt),
         **compression_summary(policy.name, cases),
+        **tier_means(cases),
         "table": {str(d): {str(n): a for n, a in row.items()} for d, row in table.items()},
         "cases": cases,
     }

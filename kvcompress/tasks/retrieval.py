@@ -17,6 +17,7 @@ import torch
 from kvcompress.cache import build_cache
 from kvcompress.context_pass import prefill
 from kvcompress.metrics.compression import full_cache_bytes, is_compressed, tokens_evicted
+from kvcompress.metrics.memory import tier_summary
 
 
 @dataclass
@@ -131,6 +132,7 @@ def run_case(model, tokenizer, policy, case: Case, cfg) -> dict:
         "cache_bytes": cache.memory_bytes(),
         "tokens_evicted": evicted,
         "compressed": case_compressed(model, policy, cache, evicted),
+        **tier_summary(stats),  # tiered: bytes per tier, fetches per step, LRU hit rate
     }
 
 

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Tiered KV cache (tiered selector over offload storage) on the embedded default (SmolLM2-135M, CPU).
+# Records land in experiments/tiered/runs/<name>/results.json; `bash experiments/tiered/run.sh [niah|ppl|bench]`.
+# Measured with OMP_NUM_THREADS=2 on a shared 2-core CPU machine (the "device" is the CPU: see README.md).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+PY=${PY:-/work/main/.venv/bin/python}
+K="nice -n 10 $PY -m kvcompress"
+R=experiments/tiered/runs
+NIAH="task=niah task.question_in_prompt=false task.chat_template=true task.progress=false"
+PREFIX="task=perplexity task.max_tokens=2049 task.prefix_tokens=1536 task.chunk_size=1 task.speed=false task.progress=false"
+DECODE="task=perplexity task.max_tokens=1024 task.chunk_size=1 task.speed=false task.progress=false"
+BENCH="task=bench task.policies=[full,tiered] task.peers=[] task.lengths=[2048,4096] task.decode_tokens=16 task.warmup=1 task.repeats=1 task.progress=false"
+BUDGET=600  # tokens per layer and KV head: the eviction policies at tiered's device bytes at 2k (~0.29 of full)
+run() { local name=$1; shift; [ -f "$R/$name/results.json" ] && grep -q '"status": "ok"' "$R/$name/results.json" && return 0; $K "$@" hydra.run.dir="$R/$name"; }
+
+what=${1:-all}
+if [[ $what == all || $what == niah ]]; then
+  # NIAH at 2k, 5 depths, question AFTER the compressed context (decode steps), chat template
+  # tiered with its defaults written out (block_size 8, recent 32, 38 pages per step and KV head: 0.289 of full)
+  run niah2k_tiered_host policy=tiered policy.top_k_blocks=38 storage=offload storage.block_size=8 storage.recent=32 storage.lru_pages=38 $NIAH
+  run niah2k_snapkv policy=snapkv policy.budget=$BUDGET policy.compression_ratio=null $NIAH
+  run niah2k_h2o policy=h2o policy.budget=$BUDGET policy.compression_ratio=null $NIAH
+  run niah2k_block_evict policy=block_evict policy.budget=$BUDGET policy.compression_ratio=null $NIAH
+  run niah2k_full policy=full $NIAH
+fi
+if [[ $what == all || $what == ppl ]]; then
+  # decode-mode perplexity over 1024 tokens at ~0.3 device bytes: fewer LRU pages than the 2k default
+  run decode_full policy=full $DECODE
+  run decode_tiered policy=tiered policy.top_k_blocks=17 storage=offload storage.lru_pages=17 $DECODE
+  # prefix perplexity: 1536 tokens prefilled (in 256-token chunks), 512 scored, defaults (<= 0.3 at 2k)
+  run prefix_full policy=full $PREFIX
+  run prefix_tiered policy=tiered $PREFIX
+fi
+if [[ $what == all || $what == bench ]]; then
+  # decode tokens/s vs full at 2k and 4k, host and disk tiers, bytes fetched per step
+  run bench_host policy=full $BENCH
+  run bench_disk policy=full $BENCH "+task.policy_overrides.tiered={storage:{name:offload,tier:disk}}"
+fi
+$PY scripts/collect.py "$R" || true

@@ -1,0 +1,79 @@
+"""The device tier's cache of fetched pages: per row and KV head, the least recently used page leaves first.
+
+Slots ``(B, H_kv, S)`` hold whole pages (keys and values of ``block_size`` tokens, one row each); a step
+asks for pages ``(B, H_kv, k)`` with ``k <= S``, the hits are reused, the misses are fetched from the cold
+tier into the slots that no page of this step uses, oldest first. Capacity grows with the cold pages up to
+the budget (a short sequence never holds more slots than it has cold pages). The state is a named tuple
+of tensors, so it moves with beam reorders and snapshots like any other per-row tensor of a store.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+NEVER = -1
+
+
+class LRU(NamedTuple):
+    rows: torch.Tensor  # (B * H_kv * S, 2 * block_size * D) pages' keys then values
+    page: torch.Tensor  # (B, H_kv, S) int64 page id, -1 empty
+    used: torch.Tensor  # (B, H_kv, S) int64 lookup of last use, -1 never
+
+
+def grow(lru: LRU | None, b: int, h: int, n: int, row: int, dtype, device) -> LRU:
+    """``lru`` with ``n`` slots per row and head (its pages kept), or as it is when it has as many."""
+    have = 0 if lru is None else lru.page.shape[-1]
+    if n <= have:
+        return lru
+    rows = torch.zeros(b, h, n, row, dtype=dtype, device=device)
+    page = torch.full((b, h, n), -1, dtype=torch.long, device=device)
+    used = torch.full((b, h, n), NEVER, dtype=torch.long, device=device)
+    if lru is not None:
+        rows[:, :, :have] = lru.rows.view(b, h, have, row)
+        page[:, :, :have], used[:, :, :have] = lru.page, lru.used
+    return LRU(rows.view(b * h * n, row), page, used)
+
+
+def lookup(lru: LRU, want: torch.Tensor, fetch, counters: dict) -> torch.Tensor:
+    """Rows (B, H_kv, k, row) of pages ``want`` (B, H_kv, k) (-1: none; its rows are unspecified); misses
+    are copied in by ``fetch(b, h, page)`` (three (m,) index tensors -> (m, row) on the device).
+
+    ``counters`` gains ``lookups``, ``hits``, ``pages_fetched``; its ``tick`` orders the uses.
+    """
+    b, h, k = want.shape
+    s = lru.page.shape[-1]
+    if k > s:
+        raise ValueError(f"offload: {k} pages asked in one step, but the device holds only {s} fetched pages")
+    asked = want >= 0
+    hit = (lru.page[:, :, None, :] == want[..., None]) & asked[..., None]  # (B, H_kv, k, S)
+    found = hit.any(-1)
+    slot = hit.int().argmax(-1)  # (B, H_kv, k)
+    need = asked & ~found
+    if bool(need.any()):
+        age = lru.used.masked_fill(hit.any(-2), torch.iinfo(torch.long).max)  # this step's pages stay
+        order = age.argsort(dim=-1, stable=True)  # (B, H_kv, S): empty, then least recently used first
+        rank = (need.long().cumsum(-1) - 1).clamp(min=0)
+        slot = torch.where(need, order.gather(-1, rank), slot)
+        bi, hi, ki = need.nonzero(as_tuple=True)
+        pages, slots = want[bi, hi, ki], slot[bi, hi, ki]
+        lru.rows.index_copy_(0, (bi * h + hi) * s + slots, fetch(bi, hi, pages))
+        lru.page[bi, hi, slots] = pages
+        counters["pages_fetched"] += int(pages.shape[0])
+    counters["tick"] += 1
+    touched = torch.zeros_like(lru.used).scatter_reduce_(-1, slot, asked.long(), "amax") > 0
+    lru.used.masked_fill_(touched, counters["tick"])
+    counters["lookups"] += int(asked.sum())
+    counters["hits"] += int(found.sum())
+    flat = (torch.arange(b * h, device=want.device).view(b, h, 1) * s + slot).view(-1)
+    return lru.rows.index_select(0, flat).view(b, h, k, -1)
+
+
+def reorder(lru: LRU | None, beam_idx: torch.Tensor) -> LRU | None:
+    """Rows of the batch in ``beam_idx`` order (beam search)."""
+    if lru is None:
+        return None
+    b, h, s = lru.page.shape
+    rows = lru.rows.view(b, h * s, -1).index_select(0, beam_idx).reshape(b * h * s, -1)
+    return LRU(rows, lru.page.index_select(0, beam_idx), lru.used.index_select(0, beam_idx))
