@@ -225,3 +225,19 @@ def test_refusals_name_the_field_and_the_fix():
         build_cache("tiered", model, top_k_blocks=50)
     with pytest.raises(ValueError, match=r"offload.tier='ssd'"):
         build_cache("tiered", model, storage={"name": "offload", "tier": "ssd"})
+
+
+def test_a_read_ratio_beyond_the_device_lru_is_flagged_in_stats():
+    """read_ratio 1.0 over 64 tokens asks for every cold page; the LRU holds 4: the cap is reported."""
+    from kvcompress.metrics.memory import tier_summary
+
+    model = make_tiny("llama")
+    flagged = []
+    for ratio in (1.0, 0.05):
+        cfg = {"name": "offload", **SMALL}
+        cache = build_cache(
+            build_policy(top_k_blocks=3, read_ratio=ratio, prefill_chunk=16, storage=cfg), model
+        )
+        stream_logits(model, IDS, cache, 16)
+        flagged.append(tier_summary(cache.stats())["read_ratio_capped"])
+    assert flagged == [True, False]

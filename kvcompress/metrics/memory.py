@@ -65,4 +65,5 @@ def tier_summary(stats: list[dict]) -> dict:
         "pages_fetched_per_step": sum(s["pages_fetched_per_step"] for s in tiered),
         "bytes_fetched_per_step": sum(s["bytes_fetched_per_step"] for s in tiered),
         "lru_hit_rate": total["lru_hits"] / max(total["lru_lookups"], 1),
+        "read_ratio_capped": any(s.get("read_ratio_capped", False) for s in stats),  # fewer reads than asked
     }
