@@ -5,12 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-PY=${PY:-/work/main/.venv/bin/python}
+PY=${PY:-.venv/bin/python}
 K="nice -n 10 $PY -m kvcompress"
 R=experiments/tiered/runs
-NIAH="task=niah task.question_in_prompt=false task.chat_template=true task.progress=false"
-PREFIX="task=perplexity task.max_tokens=2049 task.prefix_tokens=1536 task.chunk_size=1 task.speed=false task.progress=false"
-DECODE="task=perplexity task.max_tokens=1024 task.chunk_size=1 task.speed=false task.progress=false"
+NIAH="task=niah task.question_in_prompt=false task.chat_template=true task.progress=false task.depths=[0,25,50,75,100] task.extra_needles=[]"
+PREFIX="task=perplexity task.max_tokens=2049 task.prefix_tokens=1536 task.chunk_size=1 task.speed=false task.progress=false task.slices=1"
+DECODE="task=perplexity task.max_tokens=1024 task.chunk_size=1 task.speed=false task.progress=false task.slices=1"
 BENCH="task=bench task.policies=[full,tiered] task.peers=[] task.lengths=[2048,4096] task.decode_tokens=16 task.warmup=1 task.repeats=1 task.progress=false"
 BUDGET=600  # tokens per layer and KV head: the eviction policies at tiered's device bytes at 2k (~0.29 of full)
 run() { local name=$1; shift; [ -f "$R/$name/results.json" ] && grep -q '"status": "ok"' "$R/$name/results.json" && return 0; $K "$@" hydra.run.dir="$R/$name"; }
