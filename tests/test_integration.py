@@ -45,7 +45,7 @@ def test_cli_writes_results_record(tmp_path):
     cmd = [
         sys.executable, "-m", "kvcompress", "policy=sliding_window", "policy.window=28",
         "task.max_tokens=96", "task.decode_tokens=4", "task.speed_repeats=1", "task.progress=false",
-        f"hydra.run.dir={tmp_path}",
+        "task.slices=1", f"hydra.run.dir={tmp_path}",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
