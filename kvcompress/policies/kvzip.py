@@ -20,7 +20,8 @@ from kvcompress import attention
 from kvcompress.fields import Choice, Int
 from kvcompress.policies.base import Shape
 from kvcompress.policies.eviction import EvictionLayer, EvictionPolicy
-from kvcompress.policies.kvzip_scores import cat_validity, max_attention
+from kvcompress.policies.kvzip_scores import max_attention
+from kvcompress.policies.layer import cat_valid
 
 SCOPES = ("layer", "model")
 
@@ -63,7 +64,7 @@ class KVzipLayer(EvictionLayer):
         keys, values = self.store.read()  # (B, H_kv, T, D): what the context left, nothing appended
         b, _, q, _ = key_states.shape
         self._pass_queries = attention.new_token_validity(b, q, key_states.device)  # (B, q) or None
-        valid = cat_validity(self.valid, self._pass_queries, keys.shape[-2], b, q, key_states.device)
+        valid = cat_valid(self.valid, self._pass_queries, keys.shape[-2], b, q, key_states.device)
         self._view = (keys.shape[-2] + q, valid, None)  # causal among the pass tokens, after the context
         self._pass_keys = valid
         return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)

@@ -31,14 +31,3 @@ def max_attention(query, key, scaling: float, stored: int, key_valid=None, query
     if query_valid is not None:
         probs.mul_(query_valid[:, None, None, :, None])
     return probs.amax(dim=(2, 3))
-
-
-def cat_validity(stored_valid, new_valid, stored: int, b: int, q: int, device):
-    """Validity (B, h, stored + q) of the stored keys then a chunk's keys, or None when all are real."""
-    if stored_valid is None and new_valid is None:
-        return None
-    h = 1 if stored_valid is None else stored_valid.shape[1]
-    if stored_valid is None:
-        stored_valid = torch.ones(b, 1, stored, dtype=torch.bool, device=device)
-    new = torch.ones(b, h, q, dtype=torch.bool, device=device) if new_valid is None else new_valid[:, None]
-    return torch.cat([stored_valid, new.expand(-1, h, -1)], dim=-1)

@@ -66,7 +66,7 @@ class PolicyLayer(CacheLayerMixin):
         self.on_append(key_states, new_valid)
         if self.seen == 0 and self.chunked:
             self.left_pad = _leading_padding(new_valid, b, key_states.device)
-        self.valid = _cat_valid(self.valid, new_valid, self.stored_length(), b, q, key_states.device)
+        self.valid = cat_valid(self.valid, new_valid, self.stored_length(), b, q, key_states.device)
         if self.track:
             self.pos = _cat_positions(self.pos, self.seen, b, q, key_states.device)
         self.store.append(key_states, value_states, kwargs.get("positions"))  # model's position_ids or None
@@ -312,7 +312,7 @@ def _unread(states: torch.Tensor, total: int) -> torch.Tensor:
     )
 
 
-def _cat_valid(old, new, stored: int, batch: int, q: int, device):
+def cat_valid(old, new, stored: int, batch: int, q: int, device):
     """Validity (B, h, stored + q) of stored + new tokens, or None while no padding was ever seen."""
     if old is None and new is None:
         return None
