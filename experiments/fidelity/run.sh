@@ -29,4 +29,4 @@ for d in 50 25; do
 done
 $PY scripts/collect.py "$R" --out experiments/fidelity \
   --columns policy,params,tokens_scored,prefix_tokens,recall_mean,recall_min,recall_min_layer,kl_mean,top1_agreement,perplexity,full_perplexity,cache_ratio,output_error_mean,key_error_mean
-$PY experiments/fidelity/table.py > experiments/fidelity/table.md
+$PY experiments/fidelity/table.py  # the wider table (worst layer, output and key error), printed

@@ -1,6 +1,6 @@
 """The fidelity table of experiments/fidelity/README.md, from the run records (never retyped).
 
-Usage: python experiments/fidelity/table.py > experiments/fidelity/table.md
+Usage: python experiments/fidelity/table.py   (prints a Markdown table)
 """
 
 from __future__ import annotations
