@@ -49,16 +49,9 @@ class QuantStore(ResidualStore):
     def attends_codes(self) -> bool:
         """Whether a decode query can attend straight from the codes (``kvcompress.fused_quant``)."""
         c = self.config
-        width = self.spec.head_dim * c.bits // 8  # channels per bit plane
         on_cpu = self.residual[self.kinds[0]].device.type == "cpu"
         off = c.fused_attention == "off" or (c.fused_attention == "auto" and on_cpu)  # CPU: measured slower
-        return (
-            not off
-            and self.encoded_length > 0
-            and len(self.kinds) == 2
-            and (c.key_axis, c.value_axis) == ("channel", "token")
-            and (width % c.group_size == 0 or c.group_size % width == 0)
-        )
+        return not off and self.encoded_length > 0 and len(self.kinds) == 2 and c.codes_layout_fits(self.spec)
 
     def attend_codes(self, query, scaling: float):
         """Attention output (B, 1, H, D) of a decode query (B, H, 1, D) over every stored token."""
@@ -171,6 +164,20 @@ class QuantStorage(Storage):
             )
         if spec.head_dim % (8 // self.bits):
             raise ValueError(f"quant.bits={self.bits}: head_dim={spec.head_dim} cannot be packed into bytes")
+        if self.fused_attention in ("compile", "eager") and not self.codes_layout_fits(spec):
+            raise ValueError(
+                f"quant.fused_attention={self.fused_attention!r} reads KIVI's layout only: "
+                f"key_axis='channel', value_axis='token' and a group_size that divides or is a multiple of "
+                f"head_dim * bits / 8 = {spec.head_dim * self.bits // 8}; "
+                "use fused_attention='auto' or 'off' for this layout"
+            )
+
+    def codes_layout_fits(self, spec: ModelSpec) -> bool:
+        """Whether ``fused_quant`` can attend from these codes: per-channel keys, per-token values, and
+        groups that tile a bit plane (``head_dim * bits / 8`` channels)."""
+        width = spec.head_dim * self.bits // 8
+        axes_fit = (self.key_axis, self.value_axis) == ("channel", "token")
+        return axes_fit and (width % self.group_size == 0 or self.group_size % width == 0)
 
     def refuses(self, selector, kinds=KINDS) -> str | None:
         axes = [f"{k[:-1]}_axis" for k in kinds if getattr(self, f"{k[:-1]}_axis") == "channel"]

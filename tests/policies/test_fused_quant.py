@@ -103,3 +103,9 @@ def test_unsupported_axes_read_the_dense_copy(llama, tokens):
     llama(tokens[:, :20], cache=cache, use_cache=True)
     logits = llama(tokens[:, 20:21], cache=cache, use_cache=True).logits
     assert not cache.layers[0].store.attends_codes() and logits.isfinite().all()
+
+
+@pytest.mark.parametrize("mode", ["compile", "eager"])
+def test_asking_for_fused_attention_on_a_layout_it_cannot_read_is_refused(llama, mode):
+    with pytest.raises(ValueError, match=rf"quant.fused_attention='{mode}' reads KIVI's layout only"):
+        build_cache("quant", llama, bits=4, group_size=4, key_axis="token", fused_attention=mode)
