@@ -74,6 +74,6 @@ class TieredLayer(PolicyLayer):
         s = super().stats()
         s["bytes"] = s["device_bytes"] = self.memory_bytes()  # the device tier (cold pages: host/disk_bytes)
         ratio, cap = self.policy.read_ratio, self.store.config.lru_pages
-        wanted = math.ceil(ratio * getattr(self.store, "cold_pages", 0)) if ratio is not None else 0
+        wanted = math.ceil(ratio * self.store.cold_pages) if ratio is not None else 0
         s["read_ratio_capped"] = wanted > cap  # read_ratio asked for more pages than the device LRU holds
         return s
