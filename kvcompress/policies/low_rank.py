@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvcompress.fields import Bool, Choice, Float, Int
+from kvcompress.fused_low_rank import MODES
 from kvcompress.policies.full import StoragePreset
 from kvcompress.storage.low_rank import OBJECTIVES, SOURCES, LowRankStorage
 from kvcompress.storage.low_rank_bases import BLOCKS
@@ -37,6 +38,7 @@ class LowRankPolicy(StoragePreset):
     calibration_tokens: int = Int(2048, low=1)
     calibration_dir: str | None = None
     tokenizer: object = None
+    fused_attention: str = Choice("auto", MODES)
 
     @property
     def calibration(self) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from kvcompress import fused_low_rank
 from kvcompress.fields import Bool, Choice, Float, Int
 from kvcompress.spec import ModelSpec, Shape
 from kvcompress.storage import low_rank_bases as lrb
@@ -52,6 +53,11 @@ class LowRankStorage(LowRankChecks, Storage):
         calibration_dir: where calibrations are saved (default: ``<kvcompress cache>/calibration``).
         tokenizer: for the calibration text: a tokenizer, a model id, a folder or a ``.gguf`` path (null: the
             model's own, from ``model.name_or_path``).
+        fused_attention: a decode query attends in the latent space (``kvcompress.fused_low_rank``): values
+            always, keys too unless pre-RoPE (those are rebuilt). ``auto``/``on``: wherever the step allows
+            (one unpadded decode query on a full-attention layer under the ``full`` selector, plain softmax
+            attention), reconstructing otherwise (the same numbers); ``on`` refuses a selector that never
+            allows it. ``off``: reconstruct keys and values for the model's own attention.
     """
 
     name = "low_rank"
@@ -102,6 +108,7 @@ class LowRankStorage(LowRankChecks, Storage):
     calibration_tokens: int = Int(2048, low=1)
     calibration_dir: str | None = None
     tokenizer: object = None
+    fused_attention: str = Choice("auto", fused_low_rank.MODES)
 
     def prepare(self, model) -> None:
         """Calibrate on ``model`` (or reload a saved calibration of the same model and text); and its RoPE."""

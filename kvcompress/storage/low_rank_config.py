@@ -75,6 +75,12 @@ class LowRankChecks:
             self.values_storage.check(spec)
 
     def refuses(self, selector, kinds=("keys", "values")) -> str | None:
+        if self.fused_attention == "on" and selector.selector != "full":
+            return (
+                f"low_rank.fused_attention='on' attends in the latent space only under the full selector "
+                f"(not {selector.selector}, which narrows or scores what attention reads); use "
+                "fused_attention='auto' or 'off'"
+            )
         shared = self.basis == "joint" or (self.basis == "group" and self.group_size > 1)
         uniform = getattr(selector, "heads_share_tokens", False)
         if shared and selector.evicts != "never" and not uniform:

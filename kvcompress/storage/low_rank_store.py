@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcompress import fused_low_rank
 from kvcompress.storage.buffers import storage_bytes
 from kvcompress.storage.residual import ResidualStore
 
@@ -70,11 +71,46 @@ class LowRankStore(ResidualStore):
         return torch.round(coef / scale).to(torch.int8), scale.to(self.dtype)
 
     def decode(self, kind, parts, out, positions=None):
+        return out.copy_(self.reconstruct(kind, parts, out.shape[1], positions))
+
+    def reconstruct(self, kind, parts, heads: int, positions=None) -> torch.Tensor:
+        """Tokens (B, H_kv, n, D) float32 of coefficients ``parts``, keys rotated back at ``positions``."""
         coef = parts[0].float() if len(parts) == 1 else parts[0].float() * parts[1].float()
-        x = from_blocks(coef @ self.decoder[kind].mT, out.shape[1])  # (B, H_kv, n, D) float32
-        if kind == "keys" and self.rope is not None:
-            x = self.rope.rotate(x, positions)
-        return out.copy_(x)
+        blocks = coef.shape[1]
+        x = from_blocks(coef @ self.decoder[kind].mT, heads)  # (B, H_kv, n, D) float32
+        if kind == "keys" and self.rope is not None:  # a block's heads hold the same tokens: rotate once
+            b, h, n = positions.shape
+            x = self.rope.rotate(x, positions.view(b, blocks, h // blocks, n)[:, :, 0])
+        return x
+
+    # -- attention in the latent space (kvcompress.fused_low_rank) ---------------------------
+    def attends_codes(self) -> bool:
+        """Whether a decode query attends in the latent space (values always, keys unless pre-RoPE)."""
+        return self.config.fused_attention != "off" and "keys" in self.kinds and self.encoded_length > 0
+
+    def attend_codes(self, query, scaling: float) -> torch.Tensor:
+        """Attention output (B, 1, H, D) of a decode query (B, H, 1, D) over every stored token."""
+        heads = self.residual[self.kinds[0]].shape[1]
+        return fused_low_rank.attend(query, scaling, heads, self.key_logits, self.value_output)
+
+    def value_output(self, probs: torch.Tensor) -> torch.Tensor:
+        """``sum_t p_ht v_t`` (B, H_kv, n, D) float32 for probs (B, G, g * n, T): the encoded tokens' in
+        the latent space, then the residual window's."""
+        te = self.encoded_length
+        n = probs.shape[2] * probs.shape[1] // self.residual["values"].shape[1]
+        parts, dec = self.encoded["values"], self.decoder["values"]
+        out = fused_low_rank.latent_values(probs[..., :te], parts, dec, n)
+        return out + fused_low_rank.dense_values(probs[..., te:], self.residual["values"])
+
+    def key_logits(self, q: torch.Tensor) -> torch.Tensor:
+        """Logits (B, G, g * n, T) of scaled queries q (B, H_kv, n, D) float32 over every stored key."""
+        parts, res, dec = self.encoded["keys"], self.residual["keys"], self.decoder["keys"]
+        if self.rope is None:  # the decoder folds into the query
+            encoded = fused_low_rank.latent_logits(fused_low_rank.fold_query(q, dec), parts)
+        else:  # pre-RoPE: each key turns by its own position, so the keys are rebuilt
+            keys = self.reconstruct("keys", parts, res.shape[1], self._positions(0, self.encoded_length))
+            encoded = fused_low_rank.residual_logits(q, keys, dec.shape[0])
+        return torch.cat([encoded, fused_low_rank.residual_logits(q, res, dec.shape[0])], dim=-1)
 
     def flush_count(self, residual: int) -> int:
         return residual - self.config.residual_length

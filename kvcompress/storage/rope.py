@@ -22,13 +22,14 @@ STATEFUL_ROPE = ("dynamic", "longrope")
 
 class Rope:
     """One decoder layer's rotary embedding: ``rotate`` / ``unrotate`` keys (B, H_kv, n, D) at ``positions``
-    (B, H_kv, n), in float32."""
+    (B, h, n), in float32; ``h`` divides H_kv and each of its rows serves H_kv / h consecutive heads (a block
+    of heads sharing one latent keeps the same tokens: their rotation is computed once)."""
 
     def __init__(self, rotary, apply, layer_type: str | None = None):
         self.rotary, self.apply, self.layer_type = rotary, apply, layer_type
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (B * H_kv, n, rotary dims) in float32."""
+        """cos, sin (B * h, n, rotary dims) in float32."""
         flat = positions.reshape(-1, positions.shape[-1]).long()
         probe = torch.empty(0, dtype=torch.float32, device=positions.device)
         extra = () if self.layer_type is None else (self.layer_type,)
@@ -37,8 +38,10 @@ class Rope:
 
     def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, h, n, d = x.shape
-        flat = x.float().reshape(b * h, 1, n, d)
-        return self.apply(flat, flat, cos, sin)[1].view(b, h, n, d)
+        rows = cos.shape[0]  # B * h: each row's cos/sin broadcast over its H_kv / h heads
+        flat = x.float().reshape(rows, b * h // rows, n, d)
+        # the model's function rotates a query too: an empty one costs nothing
+        return self.apply(flat[:, :0], flat, cos, sin)[1].view(b, h, n, d)
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Post-RoPE keys (float32) of pre-RoPE keys ``x`` at ``positions``."""

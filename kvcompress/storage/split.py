@@ -6,6 +6,9 @@ residual window and codec; this store routes every call to both, so selectors se
 
 from __future__ import annotations
 
+from functools import partial
+
+from kvcompress import fused_low_rank
 from kvcompress.storage.base import Store
 
 
@@ -37,6 +40,15 @@ class SplitStore(Store):
     def keep_spans(self, spans) -> None:
         for store in self._both():
             store.keep_spans(spans)
+
+    def attends_codes(self) -> bool:
+        return self.key_store.attends_codes()
+
+    def attend_codes(self, query, scaling: float):
+        """Keys' logits from the key store's codes (``LowRankStore.key_logits``), values read dense."""
+        values = self.value_store.read()[1]  # (B, H_kv, T, D)
+        weigh = partial(fused_low_rank.dense_values, values=values)
+        return fused_low_rank.attend(query, scaling, values.shape[1], self.key_store.key_logits, weigh)
 
     def flush(self, valid=None) -> None:
         for store in self._both():

@@ -1,0 +1,90 @@
+"""Decode attention in the low-rank latent space: no reconstructed copy of the values, nor of post-RoPE keys.
+
+A block of ``g`` KV heads caches one latent ``c_t`` (R components) per token and reconstructs head ``i`` of
+the block as ``dec_i c_t`` (``dec_i``: the decoder's rows of that head, (D, R)). For a query head ``h`` of
+KV head ``i``:
+
+- values (any key mode): ``sum_t p_ht (dec_i c_t) = dec_i (sum_t p_ht c_t)``: the probabilities attend over
+  the (T, R) latents, and the decoder projects the result once (R x D per query head, not per token);
+- post-RoPE keys (and pre-RoPE keys on a layer without RoPE): ``q_h . (dec_i c_t) = (dec_i^T q_h) . c_t``:
+  the decoder folds into the query, and the logits are one (R)-wide dot product per token;
+- pre-RoPE keys: RoPE rotates each key by its own position, so ``dec_i`` cannot fold into one query. The
+  keys are reconstructed (one (T, R) x (R, g D) product) and rotated, but only they: the values stay latent.
+
+With int8 coefficients the per-token scales fold into the logits and into the probabilities. The exact
+residual window joins the same float32 softmax. Exact up to float rounding (the reconstruct-then-SDPA path
+rounds reconstructed tokens to the model dtype first). Palu (arXiv 2407.21118) folds the value decoder into
+the output projection offline; here both maps stay in the cache, so any model works unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MODES = ("auto", "on", "off")
+
+
+def _latent(parts: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Coefficients (B, G, T, R) as float32, and their int8 scale (B, G, T, 1) or None for float ones."""
+    return parts[0].float(), (parts[1].float() if len(parts) > 1 else None)
+
+
+def fold_query(q: torch.Tensor, decoder: torch.Tensor) -> torch.Tensor:
+    """``dec_i^T q_h`` for every query head: q (B, H_kv, n, D) float32, decoder (G, g * D, R) ->
+    (B, G, g * n, R), rows ordered as the heads (KV head, then its n query heads)."""
+    b, h_kv, n, d = q.shape
+    blocks, _, r = decoder.shape
+    g = h_kv // blocks
+    folded = q.view(b, blocks, g, n, d) @ decoder.view(blocks, g, d, r)  # (B, G, g, n, R)
+    return folded.view(b, blocks, g * n, r)
+
+
+def latent_logits(q_lat: torch.Tensor, parts: tuple) -> torch.Tensor:
+    """``q_lat . c_t`` for every encoded token: q_lat (B, G, m, R); parts as stored -> (B, G, m, Tc)."""
+    coef, scale = _latent(parts)
+    logits = q_lat @ coef.mT
+    return logits if scale is None else logits * scale.mT
+
+
+def latent_values(probs: torch.Tensor, parts: tuple, decoder: torch.Tensor, n: int) -> torch.Tensor:
+    """``dec_i (sum_t p_ht c_t)``: probs (B, G, g * n, Tc) float32 over the encoded tokens; decoder
+    (G, g * D, R) -> (B, H_kv, n, D) float32."""
+    coef, scale = _latent(parts)
+    mixed = (probs if scale is None else probs * scale.mT) @ coef  # (B, G, g * n, R)
+    b, blocks = mixed.shape[:2]
+    gd, r = decoder.shape[1:]
+    g = mixed.shape[2] // n
+    d = gd // g
+    out = mixed.view(b, blocks, g, n, r) @ decoder.view(blocks, g, d, r).mT  # (B, G, g, n, D)
+    return out.view(b, blocks * g, n, d)
+
+
+def residual_logits(q: torch.Tensor, keys: torch.Tensor, blocks: int) -> torch.Tensor:
+    """Logits (B, G, g * n, T) of q (B, H_kv, n, D) over dense keys (B, H_kv, T, D), in the block layout."""
+    logits = q @ keys.float().mT  # (B, H_kv, n, T)
+    b, h_kv, n, t = logits.shape
+    return logits.view(b, blocks, h_kv // blocks * n, t)
+
+
+def dense_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``sum_t p_ht v_t``: probs (B, G, g * n, T) float32, values (B, H_kv, T, D) -> (B, H_kv, n, D)."""
+    b, h_kv = values.shape[:2]
+    return probs.reshape(b, h_kv, -1, probs.shape[-1]) @ values.float()
+
+
+def attend(query, scaling: float, kv_heads: int, key_logits, value_output) -> torch.Tensor:
+    """One decode query per row over every stored token, softmax in float32.
+
+    Args:
+        query: (B, H, 1, D), H a multiple of ``kv_heads`` (H_kv).
+        key_logits: ``f(q)`` for q (B, H_kv, n, D) float32 (scaled): logits (B, G, g * n, T) over every
+            stored key, in the block layout (``G`` blocks of ``g`` KV heads).
+        value_output: ``f(probs)`` for probs (B, G, g * n, T): the output (B, H_kv, n, D) float32.
+
+    Returns:
+        (B, 1, H, D) in the query's dtype, as the models' attention functions return it.
+    """
+    b, h, _, d = query.shape
+    q = query.reshape(b, kv_heads, h // kv_heads, d).float() * scaling  # (B, H_kv, n, D)
+    out = value_output(torch.softmax(key_logits(q), dim=-1))  # (B, H_kv, n, D)
+    return out.reshape(b, 1, h, -1).to(query.dtype)
