@@ -68,8 +68,9 @@ def residual_logits(q: torch.Tensor, keys: torch.Tensor, blocks: int) -> torch.T
 
 def dense_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``sum_t p_ht v_t``: probs (B, G, g * n, T) float32, values (B, H_kv, T, D) -> (B, H_kv, n, D)."""
-    b, h_kv = values.shape[:2]
-    return probs.reshape(b, h_kv, -1, probs.shape[-1]) @ values.float()
+    b, blocks, m, t = probs.shape
+    h_kv = values.shape[1]
+    return probs.reshape(b, h_kv, blocks * m // h_kv, t) @ values.float()
 
 
 def attend(query, scaling: float, kv_heads: int, key_logits, value_output) -> torch.Tensor:

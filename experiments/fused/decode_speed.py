@@ -7,6 +7,8 @@ prefill keys/values through their own ``update``: the state a model prefill give
 warm-up decode steps (which include any ``torch.compile``), then ``rounds`` rounds in which every
 contender decodes ``steps`` tokens in turn: the ratio to ``full`` is taken within each round (same machine
 load) and reported as median and range. Policy overhead is ``PolicyTimer`` seconds over decode seconds.
+The process's CPU time is recorded too (``vs_full_cpu``): on a machine shared with higher-priority jobs,
+wall time mostly measures preemption, CPU time what the decode itself cost (one thread).
 Usage: ``python experiments/fused/decode_speed.py OUT.json LENGTH [ROUNDS] [STEPS] [NAME ...]``
 """
 
@@ -29,15 +31,21 @@ from kvcompress.profiling import timing
 from kvcompress.results import write_text_atomic
 from kvcompress.tasks.perplexity import text_tokens
 
-REPLAYABLE = {"int4", "int8", "int4_unfused", "block_sparse_0.25", "low_rank_32"}
 CONTENDERS = {
     "full": ("full", {}),
     "int4": ("quant", {"bits": 4, "fused_attention": "compile"}),  # what "auto" was when measured
     "int8": ("quant", {"bits": 8, "fused_attention": "compile"}),
     "int4_unfused": ("quant", {"bits": 4, "fused_attention": "off"}),
     "block_sparse_0.25": ("block_sparse", {"read_ratio": 0.25}),
-    "low_rank_32": ("low_rank", {"rank": 32}),
+    "low_rank_32": ("low_rank", {"rank": 32}),  # fused_attention auto: latent values, pre-RoPE keys rebuilt
     "snapkv_0.5": ("snapkv", {"compression_ratio": 0.5}),
+    # low_rank: reconstruct-then-SDPA (off) vs attention in the latent space (on), pre- and post-RoPE keys
+    "low_rank_32_off": ("low_rank", {"rank": 32, "fused_attention": "off"}),
+    "low_rank_32_post": ("low_rank", {"rank": 32, "keys": "post_rope", "fused_attention": "on"}),
+    "low_rank_32_post_off": ("low_rank", {"rank": 32, "keys": "post_rope", "fused_attention": "off"}),
+}
+REPLAYABLE = {"int4", "int8", "int4_unfused", "block_sparse_0.25"} | {
+    n for n in CONTENDERS if "low_rank" in n
 }
 
 
@@ -79,23 +87,27 @@ def warm_up(model, state, steps: int = 3) -> None:
 def decode(model, state, steps: int) -> tuple[float, float]:
     nxt, cache = state["next"], state["cache"]
     with timing() as timer:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             nxt = model(nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     state["next"] = nxt
-    return steps / seconds, timer.seconds / seconds
+    return steps / seconds, timer.seconds / seconds, steps / cpu
 
 
 def summarise(samples: dict, states: dict) -> dict:
     out = {}
     for name, runs in samples.items():
-        ratios = [tok / full for (tok, _), (full, _) in zip(runs, samples["full"], strict=True)]
+        ratios = [run[0] / full[0] for run, full in zip(runs, samples["full"], strict=True)]
+        cpu = [run[2] / full[2] for run, full in zip(runs, samples["full"], strict=True)]
         toks, over = [r[0] for r in runs], [r[1] for r in runs]
         out[name] = {
             "decode_tok_s_median": statistics.median(toks), "decode_tok_s_min": min(toks),
             "decode_tok_s_max": max(toks), "vs_full_median": statistics.median(ratios),
             "vs_full_min": min(ratios), "vs_full_max": max(ratios),
+            "cpu_tok_s_median": statistics.median(r[2] for r in runs),
+            "vs_full_cpu_median": statistics.median(cpu),
+            "vs_full_cpu_min": min(cpu), "vs_full_cpu_max": max(cpu),
             "policy_overhead_median": statistics.median(over), "prefill_s": states[name]["prefill_s"],
             "cache_bytes": states[name]["bytes"], "prefill_replayed": states[name]["replayed"],
             "per_round": runs,
@@ -132,7 +144,9 @@ def main(out: str, length: int, rounds: int = 4, steps: int = 4, *names: str) ->
     for name, r in record["results"].items():
         print(
             f"{name:>18} {r['decode_tok_s_median']:6.2f} tok/s  vs full {r['vs_full_median']:.2f} "
-            f"({r['vs_full_min']:.2f}-{r['vs_full_max']:.2f})  overhead {r['policy_overhead_median']:.1%}"
+            f"({r['vs_full_min']:.2f}-{r['vs_full_max']:.2f})  overhead {r['policy_overhead_median']:.1%}  "
+            f"per CPU second vs full {r['vs_full_cpu_median']:.2f} ({r['vs_full_cpu_min']:.2f}-"
+            f"{r['vs_full_cpu_max']:.2f})"
         )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvcompress import fused_low_rank
+from kvcompress.profiling import TIMER
 from kvcompress.storage.buffers import storage_bytes
 from kvcompress.storage.residual import ResidualStore
 
@@ -107,8 +108,9 @@ class LowRankStore(ResidualStore):
         parts, res, dec = self.encoded["keys"], self.residual["keys"], self.decoder["keys"]
         if self.rope is None:  # the decoder folds into the query
             encoded = fused_low_rank.latent_logits(fused_low_rank.fold_query(q, dec), parts)
-        else:  # pre-RoPE: each key turns by its own position, so the keys are rebuilt
-            keys = self.reconstruct("keys", parts, res.shape[1], self._positions(0, self.encoded_length))
+        else:  # pre-RoPE: each key turns by its own position, so the keys are rebuilt (policy overhead)
+            with TIMER.measure():
+                keys = self.reconstruct("keys", parts, res.shape[1], self._positions(0, self.encoded_length))
             encoded = fused_low_rank.residual_logits(q, keys, dec.shape[0])
         return torch.cat([encoded, fused_low_rank.residual_logits(q, res, dec.shape[0])], dim=-1)
 
