@@ -100,6 +100,8 @@ class BlockSparseLayer(PolicyLayer):
     def select(self, query: torch.Tensor) -> torch.Tensor:
         """Pages this decode step reads, ascending, -1 for unused slots: (B, H_kv, k)."""
         score = self.page_bounds(query)
+        if self.valid is None:  # no padding: every page holds tokens, the newest is the last one
+            return self._select_unpadded(score)
         real = score > -math.inf  # (B, H_kv, P) non-empty pages
         forced = real & (real.cumsum(-1) <= self.policy.sink_blocks)
         newest = self._page_of(torch.tensor([self.stored_length() - 1], device=self.device))  # (B, 1)
@@ -110,6 +112,14 @@ class BlockSparseLayer(PolicyLayer):
         top = score.masked_fill(forced, math.inf).topk(width, dim=-1).indices  # best first
         top = top.masked_fill(torch.arange(top.shape[-1], device=self.device) >= k[..., None], -1)
         return top.sort(dim=-1).values
+
+    def _select_unpadded(self, score: torch.Tensor) -> torch.Tensor:
+        """``select`` where every page is real: the same pages, with no per-page masks (the sinks and the
+        newest page are forced by slicing, and the width is known on the host)."""
+        score[..., : self.policy.sink_blocks] = math.inf
+        score[..., -1] = math.inf
+        width = self.policy.pages_to_read_count(score.shape[-1])
+        return score.topk(width, dim=-1).indices.sort(dim=-1).values
 
     def _tokens(self, pages: torch.Tensor, total: int):
         """Token indices (B, H_kv, k * block_size) of ``pages`` and which of them are real."""
@@ -141,28 +151,31 @@ class BlockSparseLayer(PolicyLayer):
         return {**super().stats(), **c, "pages_read_fraction": c["pages_read"] / max(c["pages_total"], 1)}
 
 
-BOUND_ELEMENTS = 1 << 25  # largest (rows x pages x channels) temporary of one pass of page_bounds
+BOUND_ELEMENTS = 1 << 25  # largest (rows x pages) temporary of one pass of page_bounds
 
 
 def page_bounds(page_min: torch.Tensor, page_max: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     """Quest's upper bound of q·k over each page, max over a GQA group's query heads and over the queries
     of a chunk: (B, H_kv, P), -inf for empty pages (no real token).
 
+    Per channel ``max(q min, q max)`` bounds ``q_i k_i`` for every key of the page; with ``min <= max`` it
+    is ``max`` where ``q_i >= 0`` and ``min`` elsewhere, so the bound is two batched products over all
+    pages at once, ``relu(q) . max + min(q, 0) . min``, not an elementwise pass per page and channel.
+
     Args:
-        page_min, page_max: (B, H_kv, P, D) per-channel key bounds of each page.
-        query: (B, H, q, D); per channel max(q·min, q·max) bounds q_i k_i for every key in the page.
+        page_min, page_max: (B, H_kv, P, D) per-channel key bounds of each page (+inf / -inf when empty).
+        query: (B, H, q, D).
     """
     b, h_kv, p, d = page_min.shape
-    q = query.reshape(b, h_kv, -1, 1, d)  # (B, H_kv, g*q, 1, D): heads h_kv*g .. share KV head h_kv
-    filled = page_max >= page_min  # (B, H_kv, P, D); False only for empty pages
-    lo, hi = page_min.where(filled, 0)[:, :, None], page_max.where(filled, 0)[:, :, None]
-    step = max(1, BOUND_ELEMENTS // max(b * h_kv * p * d, 1))  # query rows per pass: bounded temporaries
+    q = query.reshape(b, h_kv, -1, d)  # (B, H_kv, g*q, D): heads h_kv*g .. share KV head h_kv
+    step = max(1, BOUND_ELEMENTS // max(b * h_kv * p, 1))  # query rows per pass: bounded temporaries
     bound = None
     for i in range(0, q.shape[2], step):
         part = q[:, :, i : i + step]
-        part = torch.maximum(part * lo, part * hi).sum(-1).amax(2)  # (B, H_kv, P)
+        # an empty page's +-inf give inf or NaN in its own column only; masked below
+        part = (part.clamp(min=0) @ page_max.mT + part.clamp(max=0) @ page_min.mT).amax(2)  # (B, H_kv, P)
         bound = part if bound is None else torch.maximum(bound, part)
-    return bound.masked_fill(~filled[..., 0], -math.inf)
+    return bound.masked_fill(~(page_max[..., 0] >= page_min[..., 0]), -math.inf)
 
 
 def _grow(meta: torch.Tensor | None, like: torch.Tensor, n_pages: int, fill: float) -> torch.Tensor:

@@ -43,6 +43,8 @@ class LowRankStore(ResidualStore):
     (G, g * D, r) float32 (one tensor for plain PCA), and with a ``rope`` the stored tokens' positions
     (B, H_kv, T) int32."""
 
+    grows_in_place = True  # a decode step appends one latent instead of copying them all
+
     def __init__(self, config, layer_idx, spec, kinds, bases: dict, rope=None):
         super().__init__(config, layer_idx, spec, kinds)
         maps = {kind: _own(bases[kind]) for kind in kinds}

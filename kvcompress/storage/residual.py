@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from kvcompress.storage.base import KINDS, Store
-from kvcompress.storage.buffers import gather_tokens
+from kvcompress.storage.buffers import Slots, gather_tokens
 
 
 def shared_heads(idx: torch.Tensor, heads: int) -> torch.Tensor:
@@ -71,6 +71,7 @@ class ResidualStore(Store):
     (B, H_kv, Tr, D); ``positions`` (B, H_kv, Te + Tr) int32 when the codec ``needs_positions``."""
 
     needs_positions = False
+    grows_in_place = False  # encoded parts in growable buffers (their spare slots count as memory)
 
     def __init__(self, config, layer_idx, spec, kinds=KINDS):
         super().__init__(config, layer_idx, spec, kinds)
@@ -78,6 +79,7 @@ class ResidualStore(Store):
         self.residual = dict.fromkeys(KINDS)
         self.positions: torch.Tensor | None = None
         self.appended = 0  # tokens appended so far: the positions used when the model gives none
+        self.slots = Slots()  # growable buffers of the encoded parts
 
     # -- codec (subclasses) -----------------------------------------------------------------
     def encode(self, kind: str, x: torch.Tensor, valid=None, positions=None) -> tuple:
@@ -150,8 +152,18 @@ class ResidualStore(Store):
             self.residual[kind] = res[:, :, n:].clone()  # a copy: the encoded tokens' floats are freed
 
     def _extend(self, kind: str, new: tuple) -> None:
+        """Append newly encoded tokens: with ``grows_in_place`` into a growable buffer (``buffers.Slots``,
+        up to 1/128 spare slots, counted), so a decode step does not copy every encoded token as
+        ``torch.cat`` does."""
         old = self.encoded[kind]
-        joined = new if old is None else [torch.cat([a, b], dim=2) for a, b in zip(old, new, strict=True)]
+        if old is None:
+            self.encoded[kind] = new
+            return
+        pairs = enumerate(zip(old, new, strict=True))
+        if self.grows_in_place:
+            joined = [self.slots.extend(f"{kind}{i}", a, b) for i, (a, b) in pairs]
+        else:
+            joined = [torch.cat([a, b], dim=2) for _, (a, b) in pairs]
         self.encoded[kind] = _rebuild(new, joined)
 
     def keep(self, idx) -> None:
@@ -195,6 +207,7 @@ class ResidualStore(Store):
             self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
 
     def reset(self) -> None:
+        self.slots.clear()
         self.encoded = dict.fromkeys(KINDS)
         self.residual = dict.fromkeys(KINDS)
         self.positions, self.appended = None, 0

@@ -54,6 +54,31 @@ def test_page_bounds_are_upper_bounds_of_qk(block_size, no_padding):
             torch.testing.assert_close(bound[..., p], page.amax(-1))
 
 
+def _elementwise_bounds(page_min, page_max, query):
+    """Quest's bound as first written: one elementwise max per page and channel, then the sums."""
+    b, h_kv, p, d = page_min.shape
+    q = query.reshape(b, h_kv, -1, 1, d)
+    bound = torch.maximum(q * page_min[:, :, None], q * page_max[:, :, None]).sum(-1).amax(2)
+    return bound.masked_fill(~(page_max[..., 0] >= page_min[..., 0]), -math.inf)
+
+
+@pytest.mark.parametrize("ratio", [0.25, 0.5])
+def test_batched_page_bounds_select_the_pages_of_the_elementwise_bound(ratio, no_padding, monkeypatch):
+    layer, _ = _filled_layer(BlockSparsePolicy(block_size=4, read_ratio=ratio), 200)
+    g = torch.Generator().manual_seed(7)
+    queries = [torch.randn(1, SPEC.num_heads, SPEC.head_dim, generator=g) for _ in range(20)]
+    got = [layer.select(q) for q in queries]
+    for q in queries:
+        want = _elementwise_bounds(layer.page_min, layer.page_max, q[:, :, None])
+        torch.testing.assert_close(layer.page_bounds(q), want, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(
+        layer, "page_bounds", lambda q: _elementwise_bounds(layer.page_min, layer.page_max, q[:, :, None])
+    )
+    assert all(torch.equal(a, layer.select(q)) for a, q in zip(got, queries, strict=True))
+    layer.valid = torch.ones(1, 1, 200, dtype=torch.bool)  # the general path: per-page masks, no shortcut
+    assert all(torch.equal(a, layer.select(q)) for a, q in zip(got, queries, strict=True))
+
+
 def test_selection_takes_best_pages_plus_sink_and_newest(no_padding):
     policy = BlockSparsePolicy(block_size=4, top_k_blocks=3, sink_blocks=1)
     layer, keys = _filled_layer(policy, 30)  # pages 0..7, page 7 partial
