@@ -66,7 +66,20 @@ def test_perplexity_is_unchanged_by_latent_attention(tmp_path):
     assert abs(ppl["auto"] - ppl["off"]) <= 1e-5 * ppl["off"]
 
 
-def test_padded_batches_and_windowed_layers_reconstruct_with_the_same_logits(llama, tmp_path):
+def test_unpadded_batch_attends_in_the_latent_space_per_row(llama, tmp_path):
+    ids = torch.randint(2, 90, (2, 30), generator=torch.Generator().manual_seed(5))
+    out = {}
+    for mode in ("off", "on"):
+        cache = build_cache(policy(tmp_path, fused_attention=mode, residual_length=2), llama)
+        calls = _counted(cache)
+        out[mode] = torch.cat(
+            [stream_logits(llama, ids[:, :12], cache, 12), stream_logits(llama, ids[:, 12:], cache, 1)], 1
+        )
+        assert len(calls) == (0 if mode == "off" else 3 * 18)
+    torch.testing.assert_close(out["on"], out["off"], rtol=1e-5, atol=1e-5)
+
+
+def test_padded_batches_reconstruct_with_the_same_logits(llama, tmp_path):
     ids = torch.randint(2, 90, (2, 30), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
     mask[1, :6] = 0  # left padding: every step of row 1 carries a mask, so attention reads the dense copy
