@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 PY=${PY:-.venv/bin/python}
-K="nice -n 10 $PY -m kvcompress"
+K="nice -n ${NICE:-10} $PY -m kvcompress"
 R=experiments/tiered/runs
 NIAH="task=niah task.question_in_prompt=false task.chat_template=true task.progress=false task.depths=[0,25,50,75,100] task.extra_needles=[]"
 PREFIX="task=perplexity task.max_tokens=2049 task.prefix_tokens=1536 task.chunk_size=1 task.speed=false task.progress=false task.slices=1"
