@@ -195,7 +195,7 @@ def test_compare_block_pairs_runs_over_their_slices_and_is_dropped_without_recor
 
 
 def test_compare_block_reads_rows_of_a_multi_row_record(tmp_path):
-    """``PATH::ROW`` picks one row of a record with ``rows`` (bench_quant's); a missing row drops the block."""
+    """``PATH::ROW`` picks one row of a record with ``rows`` (bench_quant's); a missing row drops it."""
 
     def row(name, perplexities):
         slices = [{"offset_tokens": None, "tokens_scored": 100, "perplexity": p} for p in perplexities]
