@@ -68,6 +68,14 @@ class Padded:
         kwargs = self._kwargs(ids.shape[1])
         return prefill(self.model, self.cache, ids, tokenizer, **kwargs).logits[:, -1:]
 
+    def snapshot(self) -> tuple:
+        """The cache's exact state and the mask so far (``restore`` it before each question)."""
+        return self.cache.snapshot(), self.mask
+
+    def restore(self, state: tuple) -> None:
+        snapshot, self.mask = state
+        self.cache.restore(snapshot)
+
     def step(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits (B, q, V) of ``ids`` (B, q) fed after everything so far."""
         if self.mask is not None:

@@ -1,13 +1,14 @@
-"""task.batch_size for niah and passkey: the same answers and scores as one case at a time, in both
-question modes and under eviction; a policy that cannot serve padded rows is refused by the field."""
+"""task.batch_size for niah, passkey and multi_niah: the same answers and scores as one case at a time,
+in both question modes and under eviction; a policy that cannot serve padded rows is refused by the field."""
 
 from __future__ import annotations
 
 import pytest
+from test_multi_niah import cfg_for
 from test_tasks import niah_cfg
 
 from kvcompress import make_policy
-from kvcompress.tasks import niah
+from kvcompress.tasks import multi_niah, niah
 from kvcompress.tasks.batched import batches
 
 CACHE_FIELDS = ("tokens_stored_mean", "cache_bytes", "tokens_evicted", "compressed", "batch_rows")
@@ -36,8 +37,22 @@ def test_batch_size_is_validated_and_an_inexact_policy_refused_by_name(llama, ch
     with pytest.raises(ValueError, match="task.batch_size=0"):
         niah.run(llama, char_tokenizer, make_policy("full"), niah_cfg(tmp_path, batch_size=0))
     with pytest.raises(ValueError, match="Set task.batch_size=1"):
-        niah.run(llama, char_tokenizer, make_policy("quant"), niah_cfg(tmp_path, batch_size=3))
+        niah.run(llama, char_tokenizer, make_policy("quant", group_size=8), niah_cfg(tmp_path, batch_size=3))
 
 
 def test_batches_group_equal_keys_in_order():
     assert batches([5, 7, 5, 5, 7], 2) == [[0, 2], [3], [1, 4]]
+
+
+@pytest.mark.parametrize("policy", ["full", "sliding_window"])
+def test_batched_multi_niah_equals_one_context_at_a_time(llama, char_tokenizer, tmp_path, policy):
+    pol = make_policy(policy, **({"sink_tokens": 4, "window": 64} if policy != "full" else {}))
+    runs = {}
+    for size in (1, 3):
+        cfg = cfg_for(tmp_path, lengths=[300, 260], trials=2, batch_size=size)
+        runs[size] = multi_niah.run(llama, char_tokenizer, pol, cfg)
+    assert _answers(runs[3]) == _answers(runs[1]) and runs[3]["per_turn"] == runs[1]["per_turn"]
+    assert {c["batch_rows"] for c in runs[3]["cases"]} == {3, 1}  # four contexts of two lengths
+    assert runs[3]["compressed"] == (policy != "full")
+    with pytest.raises(ValueError, match="task.mode=independent"):
+        multi_niah.run(llama, char_tokenizer, pol, cfg_for(tmp_path, mode="multiturn", batch_size=2))
