@@ -36,8 +36,11 @@ def test_batched_niah_equals_one_case_at_a_time(llama, char_tokenizer, tmp_path,
 def test_batch_size_is_validated_and_an_inexact_policy_refused_by_name(llama, char_tokenizer, tmp_path):
     with pytest.raises(ValueError, match="task.batch_size=0"):
         niah.run(llama, char_tokenizer, make_policy("full"), niah_cfg(tmp_path, batch_size=0))
-    with pytest.raises(ValueError, match="Set task.batch_size=1"):
-        niah.run(llama, char_tokenizer, make_policy("quant", group_size=8), niah_cfg(tmp_path, batch_size=3))
+    quant = make_policy("quant", group_size=8)
+    same = niah.run(llama, char_tokenizer, quant, niah_cfg(tmp_path, batch_size=3))  # equal lengths: no pad
+    assert _answers(same) == _answers(niah.run(llama, char_tokenizer, quant, niah_cfg(tmp_path)))
+    with pytest.raises(ValueError, match="Set task.batch_size=1"):  # lengths 80 and 120 in one batch
+        niah.run(llama, char_tokenizer, quant, niah_cfg(tmp_path, batch_size=4))
 
 
 def test_batches_group_equal_keys_in_order():

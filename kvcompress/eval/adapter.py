@@ -106,12 +106,12 @@ class KVCompressLM(CalibrationGuard, HFLM):
         return build_cache(self.policy, self.model)
 
     def _record(self, cache, batch: int, forwards: int, kind: str) -> None:
-        """Count the call and its evicted tokens, overall and for its ``kind`` (``KINDS``); keep the cache
-        size of the longest sequence (tokens consumed, bytes held)."""
+        """Count the call's rows and evicted tokens (padding included), overall and for its ``kind``
+        (``KINDS``); keep the cache size of the longest sequence (tokens consumed, bytes held)."""
         evicted = tokens_evicted(cache)
         self.kvc_stats["forward_calls"] += forwards
         for stats in (self.kvc_stats, self.kvc_stats[kind]):
-            stats["requests"] += 1
+            stats["requests"] += batch  # rows: a batch of 8 is 8 requests
             stats["tokens_evicted"] += evicted
             if cache.get_seq_length() >= stats["tokens"]:
                 stats.update(tokens=cache.get_seq_length(), batch=batch, cache_bytes=cache.memory_bytes())
