@@ -108,7 +108,7 @@ class KVCompressLM(CalibrationGuard, HFLM):
     def _record(self, cache, batch: int, forwards: int, kind: str) -> None:
         """Count the call's rows and evicted tokens (padding included), overall and for its ``kind``
         (``KINDS``); keep the cache size of the longest sequence (tokens consumed, bytes held)."""
-        evicted = tokens_evicted(cache)
+        evicted = tokens_evicted(cache) * batch  # slots dropped, in every row of the batch
         self.kvc_stats["forward_calls"] += forwards
         for stats in (self.kvc_stats, self.kvc_stats[kind]):
             stats["requests"] += batch  # rows: a batch of 8 is 8 requests

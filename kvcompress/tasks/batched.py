@@ -3,9 +3,9 @@ compressed as if alone (``kvcompress.padding``), the same records as one case at
 
 Rows of a batch feed their question parts in lockstep after the context, so only cases whose question
 parts have the same token count share a batch (in order of the grid otherwise). Per case, ``response`` and
-``correct`` are what a batch of one gives; the cache fields (``cache_bytes``, ``tokens_evicted``,
-``tokens_stored_mean``) are the batch cache's divided by its rows (padding slots included), recorded with
-``batch_rows``.
+``correct`` are what a batch of one gives; the cache fields describe the batch cache (``batch_rows``
+rows): ``cache_bytes`` is its bytes divided by its rows, ``tokens_evicted`` and ``tokens_stored_mean``
+its slots (every row's, padding slots included).
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def answer_batch(model, policy, heads, tails, question_in_prompt: bool, max_new:
 
 
 def cache_shares(model, policy, cache, rows: int) -> dict:
-    """The batch cache's numbers per row, and ``compressed`` against ``full`` on the same batch."""
+    """The batch cache's numbers per row (bytes shared out, slots as they are), and ``compressed`` against
+    ``full`` on the same batch."""
     stats, evicted, held = cache.stats(), tokens_evicted(cache), cache.memory_bytes()
     compressed = evicted > 0
     if not compressed and policy.name != "full":
@@ -69,7 +70,7 @@ def cache_shares(model, policy, cache, rows: int) -> dict:
     return {
         "tokens_stored_mean": sum(s["tokens_stored"] for s in stats) / len(stats),
         "cache_bytes": held / rows,
-        "tokens_evicted": evicted / rows,
+        "tokens_evicted": evicted,  # slots dropped: each row lost as many (padding slots included)
         "compressed": compressed,
         "batch_rows": rows,
         **tier_summary(stats),
