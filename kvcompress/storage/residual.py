@@ -71,6 +71,7 @@ class ResidualStore(Store):
     (B, H_kv, Tr, D); ``positions`` (B, H_kv, Te + Tr) int32 when the codec ``needs_positions``."""
 
     needs_positions = False
+    pads_exactly = False  # encoded groups are cut on batch slots: left padding moves a row's group bounds
 
     def __init__(self, config, layer_idx, spec, kinds=KINDS):
         super().__init__(config, layer_idx, spec, kinds)
