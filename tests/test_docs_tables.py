@@ -192,3 +192,20 @@ def test_compare_block_pairs_runs_over_their_slices_and_is_dropped_without_recor
     gone = "<!-- generated: compare runs/base runs/missing -->\n<!-- /generated -->\n"
     report = DocsReport()
     assert "generated: compare" not in regenerate_text(gone, tmp_path, tmp_path / "a.md", report)
+
+
+def test_compare_block_reads_rows_of_a_multi_row_record(tmp_path):
+    """``PATH::ROW`` picks one row of a record with ``rows`` (bench_quant's); a missing row drops it."""
+
+    def row(name, perplexities):
+        slices = [{"offset_tokens": None, "tokens_scored": 100, "perplexity": p} for p in perplexities]
+        return {"row": name, "status": "ok", "perplexity": sum(perplexities) / 3, "slices": slices}
+
+    rows = [row("hf int4", [20.0, 30.0, 40.0]), row("ours int4", [21.0, 31.1, 40.9])]
+    write_json_atomic(tmp_path / "runs/main/results.json", {"meta": {}, "rows": rows})
+    doc = '<!-- generated: compare "runs/main::hf int4" "runs/main::ours int4" -->\n<!-- /generated -->\n'
+    text = regenerate_text(doc, tmp_path, tmp_path / "a.md", DocsReport())
+    (line,) = [line for line in text.splitlines() if line.startswith("- ")]
+    assert line.startswith("- hf int4 is better than ours int4") and "paired over 3 slices" in line
+    gone = '<!-- generated: compare "runs/main::hf int4" "runs/main::nope" -->\n<!-- /generated -->\n'
+    assert "generated: compare" not in regenerate_text(gone, tmp_path, tmp_path / "a.md", DocsReport())

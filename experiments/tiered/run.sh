@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 PY=${PY:-.venv/bin/python}
-K="nice -n 10 $PY -m kvcompress"
+K="nice -n ${NICE:-10} $PY -m kvcompress"
 R=experiments/tiered/runs
 NIAH="task=niah task.question_in_prompt=false task.chat_template=true task.progress=false task.depths=[0,25,50,75,100] task.extra_needles=[]"
 PREFIX="task=perplexity task.max_tokens=2049 task.prefix_tokens=1536 task.chunk_size=1 task.speed=false task.progress=false task.slices=1"
@@ -25,6 +25,20 @@ if [[ $what == all || $what == niah ]]; then
   run niah2k_block_evict policy=block_evict policy.budget=$BUDGET policy.compression_ratio=null $NIAH
   run niah2k_full policy=full $NIAH
 fi
+if [[ $what == all || $what == niah8k ]]; then
+  # NIAH at 8k (the model's context), 5 depths, question after: a needle of our own that full finds at 8k
+  # (the banana needle: full 2/5, it answers "Lisp" from the essays), at about 0.29 of full's device bytes:
+  # page summaries are 1/8 of the bytes at any length, so 160 pages (1280 tokens) are read per step.
+  N8K=("task.lengths=[8000]" "task.needle='The special magic number is 7392.'"
+    "task.question='What is the special magic number?'" task.answer=7392
+    "task.answer_prefix='The special magic number is'")
+  BUDGET8K=2330  # tokens per layer and KV head: the eviction policies at tiered's device bytes at 8k
+  run niah8k_full policy=full $NIAH "${N8K[@]}"
+  run niah8k_tiered_host policy=tiered policy.top_k_blocks=160 storage=offload storage.lru_pages=160 $NIAH "${N8K[@]}"
+  for p in snapkv h2o block_evict; do
+    run niah8k_$p policy=$p policy.budget=$BUDGET8K policy.compression_ratio=null $NIAH "${N8K[@]}"
+  done
+fi
 if [[ $what == all || $what == ppl ]]; then
   # decode-mode perplexity over 1024 tokens at ~0.3 device bytes: fewer LRU pages than the 2k default
   run decode_full policy=full $DECODE
@@ -36,6 +50,8 @@ fi
 if [[ $what == all || $what == bench ]]; then
   # decode tokens/s vs full at 2k and 4k, host and disk tiers, bytes fetched per step
   run bench_host policy=full $BENCH
-  run bench_disk policy=full $BENCH "+task.policy_overrides.tiered={storage:{name:offload,tier:disk}}"
+  run bench_disk policy=full $BENCH "task.lengths=[2048,4096,8000]" \
+    "+task.policy_overrides.tiered={storage:{name:offload,tier:disk}}"
+  run bench_host_8k policy=full $BENCH "task.lengths=[8000]"
 fi
 $PY scripts/collect.py "$R" || true

@@ -23,9 +23,11 @@ from tqdm.auto import tqdm
 from kvcompress.attention import set_backend
 from kvcompress.cache import CONF_DIR, build_cache, known_policies, make_policy
 from kvcompress.calibration_text import cache_spans
+from kvcompress.eval.batching import check_batch_size, equal_length_groups
 from kvcompress.eval.calibration_guard import CalibrationGuard
 from kvcompress.metrics.compression import flag_uncompressed, full_cache_bytes, is_compressed, tokens_evicted
 from kvcompress.models import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_model_dir, resolve_device
+from kvcompress.padding import check_padding
 from kvcompress.policies.base import Policy
 
 
@@ -80,12 +82,14 @@ class KVCompressLM(CalibrationGuard, HFLM):
         chunk_size: tokens per forward when streaming log-likelihood requests (1 = exact decode mode).
         attn_backend: kernel behind kvcompress's attention function (``sdpa`` or ``eager``).
         **kwargs: ``hf`` model args (``max_length``, ``dtype``, ``batch_size``...) and policy fields.
+            ``batch_size`` requests stream together (``kvcompress.eval.batching``: each row scores as alone).
     """
 
     def __init__(self, pretrained=DEFAULT_MODEL, policy="full", chunk_size=1, attn_backend=None, **kwargs):
         policy, kwargs = split_policy_args(policy, kwargs)
         if int(chunk_size) < 1:
             raise ValueError(f"chunk_size={chunk_size} must be an integer >= 1")
+        check_batch_size(kwargs.get("batch_size", 1))
         if isinstance(pretrained, str):
             pretrained, kwargs = resolve_pretrained(pretrained, kwargs)
         kwargs["device"] = str(kwargs.get("device") or resolve_device(None))
@@ -102,12 +106,12 @@ class KVCompressLM(CalibrationGuard, HFLM):
         return build_cache(self.policy, self.model)
 
     def _record(self, cache, batch: int, forwards: int, kind: str) -> None:
-        """Count the call and its evicted tokens, overall and for its ``kind`` (``KINDS``); keep the cache
-        size of the longest sequence (tokens consumed, bytes held)."""
-        evicted = tokens_evicted(cache)
+        """Count the call's rows and evicted tokens (padding included), overall and for its ``kind``
+        (``KINDS``); keep the cache size of the longest sequence (tokens consumed, bytes held)."""
+        evicted = tokens_evicted(cache) * batch  # slots dropped, in every row of the batch
         self.kvc_stats["forward_calls"] += forwards
         for stats in (self.kvc_stats, self.kvc_stats[kind]):
-            stats["requests"] += 1
+            stats["requests"] += batch  # rows: a batch of 8 is 8 requests
             stats["tokens_evicted"] += evicted
             if cache.get_seq_length() >= stats["tokens"]:
                 stats.update(tokens=cache.get_seq_length(), batch=batch, cache_bytes=cache.memory_bytes())
@@ -133,8 +137,21 @@ class KVCompressLM(CalibrationGuard, HFLM):
             result |= flag_uncompressed(self.policy.name, what, hint)
         return result
 
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
+        """lm-eval's, over groups of equal streamed length where ``chunk_size > 1`` needs them."""
+        groups = equal_length_groups(requests, self.max_length, self.chunk_size, self.batch_size)
+        if groups is None:
+            return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
+        results = [None] * len(requests)
+        for idx in groups:
+            scored = super()._loglikelihood_tokens([requests[i] for i in idx], disable_tqdm, override_bs)
+            for i, result in zip(idx, scored, strict=True):
+                results[i] = result
+        return results
+
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
-        """Logits (B, T, V) of ``inps`` (B, T) streamed through a fresh policy cache in chunks."""
+        """Logits (B, T, V) of ``inps`` (B, T) streamed through a fresh policy cache in chunks. Rows are
+        right-padded by lm-eval: padding follows a row's last token and never reaches a scored logit."""
         if attn_mask is not None or labels is not None:
             raise ValueError("model=kvcompress supports decoder-only (causal) models; got a seq2seq call")
         cache, logits = self._new_cache(), []
@@ -152,6 +169,9 @@ class KVCompressLM(CalibrationGuard, HFLM):
         if eos is not None:
             generation_kwargs.setdefault("eos_token_id", eos)
         cache = self._new_cache()
+        mask = generation_kwargs.get("attention_mask")
+        if mask is not None and not bool(mask.all()):  # lm-eval pads a batch's prompts on the left
+            check_padding(cache, self.policy.name, "batch_size")
         out = super()._model_generate(context, max_length, stop, cache=cache, **generation_kwargs)
         self._record(cache, context.shape[0], out.shape[1] - context.shape[1], "generate")
         return out

@@ -72,6 +72,7 @@ class ResidualStore(Store):
 
     needs_positions = False
     grows_in_place = False  # encoded parts in growable buffers (their spare slots count as memory)
+    pads_exactly = False  # encoded groups are cut on batch slots: left padding moves a row's group bounds
 
     def __init__(self, config, layer_idx, spec, kinds=KINDS):
         super().__init__(config, layer_idx, spec, kinds)

@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from kvcompress.metrics.compression import flag_uncompressed
 from kvcompress.metrics.stats import interval_fields, wilson
-from kvcompress.tasks.retrieval import run_case
+from kvcompress.tasks.batched import run_cases
 
 
 def accuracy_table(cases: list[dict]) -> dict:
@@ -92,12 +92,12 @@ def tier_means(cases: list[dict]) -> dict:
 
 
 def run_grid(model, tokenizer, policy, cfg, make_case, out_dir=None, name: str = "niah", needles: int = 1):
-    """Every (length, depth, needle) of ``cfg`` through ``make_case(length, depth, needle) -> Case``."""
-    grid = [(n, d, k) for n in cfg.lengths for d in cfg.depths for k in range(needles)]
-    cases = []
-    for length, depth, k in tqdm(grid, desc=name, disable=not cfg.get("progress", True), leave=False):
-        record = run_case(model, tokenizer, policy, make_case(int(length), float(depth), k), cfg)
-        cases.append({**record, "needle": k})
+    """Every (length, depth, needle) of ``cfg`` through ``make_case(length, depth, needle) -> Case``,
+    ``task.batch_size`` cases at a time (``batched``)."""
+    grid = [(int(n), float(d), k) for n in cfg.lengths for d in cfg.depths for k in range(needles)]
+    with tqdm(total=len(grid), desc=name, disable=not cfg.get("progress", True), leave=False) as bar:
+        records = run_cases(model, tokenizer, policy, [make_case(*cell) for cell in grid], cfg, bar.update)
+    cases = [{**record, "needle": k} for record, (_, _, k) in zip(records, grid, strict=True)]
     table = accuracy_table(cases)
     title = f"{name} {policy.name}\nquestion_in_prompt={bool(cfg.question_in_prompt)}"
     metrics = {

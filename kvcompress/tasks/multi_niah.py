@@ -17,6 +17,7 @@ from kvcompress.cache import build_cache
 from kvcompress.metrics.compression import tokens_evicted
 from kvcompress.tasks.conversation import ask_all, next_turn_text, token_ids
 from kvcompress.tasks.grid import accuracy_metrics, compression_summary
+from kvcompress.tasks.multi_batched import run_contexts
 from kvcompress.tasks.niah import _haystack_ids, sentence_cut
 from kvcompress.tasks.retrieval import case_compressed, eos_ids, is_correct, split_prompt
 
@@ -60,8 +61,9 @@ def make_context(tokenizer, cfg, length: int, trial: int) -> dict:
     return {"context": context, "values": values, "depths": depths, "order": order}
 
 
-def run_context(model, tokenizer, policy, cfg, length: int, trial: int) -> list[dict]:
-    """One context through a fresh cache: one record per question, in the order they were asked."""
+def prepare_context(tokenizer, cfg, length: int, trial: int) -> tuple[dict, object, list[dict]]:
+    """One context (``make_context``), its prompt ids (1, n) and its turns (``first``/``next`` ids of each
+    question, in the order they are asked)."""
     ctx = make_context(tokenizer, cfg, length, trial)
     turns, head = [], None
     for i in ctx["order"]:
@@ -70,16 +72,26 @@ def run_context(model, tokenizer, policy, cfg, length: int, trial: int) -> list[
         head, first = split_prompt(tokenizer, ctx["context"], question, cfg.chat_template, prefix)
         later = next_turn_text(tokenizer, question, prefix, cfg.chat_template)
         turns.append({"first": first, "next": token_ids(tokenizer, later)})
+    return ctx, head, turns
+
+
+def run_context(model, tokenizer, policy, cfg, length: int, trial: int) -> list[dict]:
+    """One context through a fresh cache: one record per question, in the order they were asked."""
+    ctx, head, turns = prepare_context(tokenizer, cfg, length, trial)
     cache = build_cache(policy, model)
     stop = eos_ids(model, tokenizer)
     responses = ask_all(model, tokenizer, cache, head, turns, cfg.mode, cfg.max_new_tokens, stop)
     evicted = tokens_evicted(cache)
-    compressed = case_compressed(model, policy, cache, evicted)
+    cache_fields = {"tokens_evicted": evicted, "compressed": case_compressed(model, policy, cache, evicted)}
+    return context_records(cfg, ctx, head, (length, trial), responses, cache_fields)
+
+
+def context_records(cfg, ctx: dict, head, cell: tuple[int, int], responses: list[str], cache_fields) -> list:
+    """One record per question of a context, in the order they were asked (``cell``: length, trial)."""
     return [
-        {"length": length, "trial": trial, "mode": cfg.mode, "turn": t, "key": cfg.needle_keys[i],
+        {"length": cell[0], "trial": cell[1], "mode": cfg.mode, "turn": t, "key": cfg.needle_keys[i],
          "depth": ctx["depths"][i], "expected": str(ctx["values"][i]), "response": r,
-         "correct": is_correct(r, str(ctx["values"][i])), "context_tokens": head.shape[1],
-         "tokens_evicted": evicted, "compressed": compressed}
+         "correct": is_correct(r, str(ctx["values"][i])), "context_tokens": head.shape[1], **cache_fields}
         for t, (i, r) in enumerate(zip(ctx["order"], responses, strict=True))
     ]  # fmt: skip
 
@@ -94,9 +106,8 @@ def _accuracy_by(cases: list[dict], field: str) -> dict:
 def run(model, tokenizer, policy, cfg, out_dir=None) -> dict:
     """Accuracy overall, per turn, per needle depth and per key over ``cfg.lengths`` x ``cfg.trials``."""
     grid = [(int(n), t) for n in cfg.lengths for t in range(cfg.trials)]
-    cases = []
-    for n, t in tqdm(grid, desc="multi_niah", disable=not cfg.get("progress", True), leave=False):
-        cases += run_context(model, tokenizer, policy, cfg, n, t)
+    with tqdm(total=len(grid), desc="multi_niah", disable=not cfg.get("progress", True), leave=False) as bar:
+        cases = run_contexts(model, tokenizer, policy, cfg, grid, bar.update)
     per_context = [c for c in cases if c["turn"] == 0]  # compression is decided once per context
     metrics = {
         **accuracy_metrics(cases),  # with a 95% Wilson interval

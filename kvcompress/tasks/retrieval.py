@@ -109,15 +109,32 @@ def is_correct(response: str, expected: str) -> bool:
 
 def run_case(model, tokenizer, policy, case: Case, cfg) -> dict:
     """One case through a fresh policy cache; a record for ``results.json``."""
-    head, tail = split_prompt(
-        tokenizer, case.context, case.question, cfg.chat_template, cfg.get("answer_prefix", "")
-    )
+    head, tail = case_prompt(tokenizer, case, cfg)
     cache = build_cache(policy, model)
     stop = eos_ids(model, tokenizer)
     ids = answer(model, cache, head, tail, cfg.question_in_prompt, cfg.max_new_tokens, stop, tokenizer)
-    response = tokenizer.decode(ids, skip_special_tokens=True)
     stats = cache.stats()
     evicted = tokens_evicted(cache)
+    return {
+        **case_record(tokenizer, case, cfg, head, tail, ids),
+        "tokens_stored_mean": sum(s["tokens_stored"] for s in stats) / len(stats),
+        "cache_bytes": cache.memory_bytes(),
+        "tokens_evicted": evicted,
+        "compressed": case_compressed(model, policy, cache, evicted),
+        **tier_summary(stats),  # tiered: bytes per tier, fetches per step, LRU hit rate
+    }
+
+
+def case_prompt(tokenizer, case: Case, cfg):
+    """Token ids (1, n) of the case's context part and question part (``split_prompt``)."""
+    return split_prompt(
+        tokenizer, case.context, case.question, cfg.chat_template, cfg.get("answer_prefix", "")
+    )
+
+
+def case_record(tokenizer, case: Case, cfg, head, tail, ids: list[int]) -> dict:
+    """The fields of a case's record that do not describe its cache: prompt sizes, response, score."""
+    response = tokenizer.decode(ids, skip_special_tokens=True)
     return {
         "length": case.length,
         "depth": case.depth,
@@ -128,11 +145,6 @@ def run_case(model, tokenizer, policy, case: Case, cfg) -> dict:
         "expected": case.answer,
         "response": response,
         "correct": is_correct(response, case.answer),
-        "tokens_stored_mean": sum(s["tokens_stored"] for s in stats) / len(stats),
-        "cache_bytes": cache.memory_bytes(),
-        "tokens_evicted": evicted,
-        "compressed": case_compressed(model, policy, cache, evicted),
-        **tier_summary(stats),  # tiered: bytes per tier, fetches per step, LRU hit rate
     }
 
 

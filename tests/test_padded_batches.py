@@ -1,0 +1,54 @@
+"""Left-padded batches (``kvcompress.padding``): every selector x storage cell either compresses each padded
+row exactly as it compresses the row alone (prompt, question fed token by token, greedy steps), or declares
+``pads_exactly = False`` and is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny
+from test_selector_storage_product import CELLS, IDS, REFUSED, cell_policy
+
+from kvcompress import build_cache
+from kvcompress.padding import Padded, check_padding, inexact_layers, left_pad
+
+G = torch.Generator().manual_seed(3)
+ROWS = [torch.randint(2, 95, (1, n), generator=G) for n in (30, 27, 22)]
+TAIL = torch.randint(2, 95, (1, 4), generator=G)  # the question: same length in every row
+
+
+@torch.inference_mode()
+def _logits(model, policy, rows):
+    """Logits (B, 1 + tail + 3, V): the prompt's last position, each tail token, three greedy steps."""
+    ids, mask = left_pad(rows)
+    stream = Padded(model, build_cache(policy, model), mask)
+    out = [stream.prompt(ids)]
+    for i in range(TAIL.shape[1]):
+        out.append(stream.step(TAIL[:, i : i + 1].expand(len(rows), 1)))
+    for _ in range(3):
+        out.append(stream.step(out[-1][:, -1].argmax(-1, keepdim=True)))
+    return torch.cat(out, 1)
+
+
+def test_left_pad_pads_on_the_left_and_drops_the_mask_without_padding():
+    ids, mask = left_pad([torch.tensor([[5, 6, 7]]), torch.tensor([[8]])], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert left_pad([torch.tensor([[5, 6]]), torch.tensor([[8, 9]])])[1] is None
+
+
+# knorm (the example plugin) ranks raw key norms: batched matmul rounding flips near ties, even in a row
+# without padding (2.5e-4 on the tiny model), so it is left out of this float-tolerance check.
+RUN = [(c, i) for c, i in zip(CELLS, IDS, strict=True) if c not in REFUSED and c[0] != "knorm"]
+
+
+@pytest.mark.parametrize("sel,var", [c for c, _ in RUN], ids=[i for _, i in RUN])
+def test_padded_rows_compress_as_alone_or_are_refused_by_name(sel, var):
+    model = make_tiny("llama")
+    policy = cell_policy(sel, var)
+    if inexact_layers(build_cache(policy, model)):
+        with pytest.raises(ValueError, match="task.batch_size=1"):
+            check_padding(build_cache(policy, model), policy.name, "task.batch_size")
+        return
+    batched = _logits(model, policy, ROWS)
+    for b, row in enumerate(ROWS):
+        torch.testing.assert_close(batched[b : b + 1], _logits(model, policy, [row]), atol=2e-5, rtol=1e-4)
