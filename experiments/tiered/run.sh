@@ -50,8 +50,12 @@ fi
 if [[ $what == all || $what == bench ]]; then
   # decode tokens/s vs full at 2k and 4k, host and disk tiers, bytes fetched per step
   run bench_host policy=full $BENCH
-  run bench_disk policy=full $BENCH "task.lengths=[2048,4096,8000]" \
+  run bench_disk policy=full $BENCH "+task.policy_overrides.tiered={storage:{name:offload,tier:disk}}"
+fi
+if [[ $what == all || $what == bench8k ]]; then
+  # at 8k, no warm-up round (a tiered prefill of 8k tokens takes minutes here): one sample each
+  run bench_host_8k policy=full $BENCH "task.lengths=[8000]" task.warmup=0
+  run bench_disk_8k policy=full $BENCH "task.lengths=[8000]" task.warmup=0 \
     "+task.policy_overrides.tiered={storage:{name:offload,tier:disk}}"
-  run bench_host_8k policy=full $BENCH "task.lengths=[8000]"
 fi
 $PY scripts/collect.py "$R" || true
