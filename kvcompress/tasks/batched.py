@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvcompress.cache import build_cache
-from kvcompress.metrics.compression import full_cache_bytes, is_compressed, tokens_evicted
+from kvcompress.metrics.compression import tokens_evicted
 from kvcompress.metrics.memory import tier_summary
 from kvcompress.padding import Padded, check_padding, left_pad
 
@@ -63,15 +63,14 @@ def answer_batch(model, policy, heads, tails, question_in_prompt: bool, max_new:
 def cache_shares(model, policy, cache, rows: int) -> dict:
     """The batch cache's numbers per row (bytes shared out, slots as they are), and ``compressed`` against
     ``full`` on the same batch."""
-    stats, evicted, held = cache.stats(), tokens_evicted(cache), cache.memory_bytes()
-    compressed = evicted > 0
-    if not compressed and policy.name != "full":
-        compressed = is_compressed(evicted, held, full_cache_bytes(model, cache.get_seq_length(), rows))
+    from kvcompress.tasks.retrieval import case_compressed
+
+    stats, evicted = cache.stats(), tokens_evicted(cache)
     return {
         "tokens_stored_mean": sum(s["tokens_stored"] for s in stats) / len(stats),
-        "cache_bytes": held / rows,
+        "cache_bytes": cache.memory_bytes() / rows,
         "tokens_evicted": evicted,  # slots dropped: each row lost as many (padding slots included)
-        "compressed": compressed,
+        "compressed": case_compressed(model, policy, cache, evicted, rows),
         "batch_rows": rows,
         **tier_summary(stats),
     }

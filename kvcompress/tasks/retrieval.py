@@ -148,8 +148,10 @@ def case_record(tokenizer, case: Case, cfg, head, tail, ids: list[int]) -> dict:
     }
 
 
-def case_compressed(model, policy, cache, evicted: int) -> bool:
-    """Evicted, or fewer bytes than ``full`` on the tokens consumed (one extra prefill, only when needed)."""
+def case_compressed(model, policy, cache, evicted: int, rows: int = 1) -> bool:
+    """Evicted, or fewer bytes than ``full`` on the tokens consumed by ``rows`` rows (one extra prefill,
+    only when nothing was evicted)."""
     if evicted > 0 or policy.name == "full":
         return evicted > 0
-    return is_compressed(evicted, cache.memory_bytes(), full_cache_bytes(model, cache.get_seq_length()))
+    full = full_cache_bytes(model, cache.get_seq_length(), rows)
+    return is_compressed(evicted, cache.memory_bytes(), full)
