@@ -59,3 +59,27 @@ def test_batched_multi_niah_equals_one_context_at_a_time(llama, char_tokenizer, 
     assert runs[3]["compressed"] == (policy != "full")
     with pytest.raises(ValueError, match="task.mode=independent"):
         multi_niah.run(llama, char_tokenizer, pol, cfg_for(tmp_path, mode="multiturn", batch_size=2))
+
+
+def test_a_batch_cache_reports_every_byte_field_per_row(llama):
+    """Two identical rows share one tiered cache: its bytes per tier and traffic are shared out per row, as
+    ``cache_bytes`` is, so each equals the numbers of the row alone (none is the batch's total)."""
+    import torch
+
+    from kvcompress.cache import build_cache
+    from kvcompress.tasks.retrieval import TIER_BYTES, cache_fields
+
+    policy = make_policy(
+        "tiered", top_k_blocks=2, storage={"name": "offload", "block_size": 4, "recent": 8, "lru_pages": 3}
+    )
+    ids = torch.randint(0, llama.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    fields = {}
+    for rows in (1, 2):
+        cache = build_cache(policy, llama)
+        with torch.inference_mode():
+            llama(ids.expand(rows, -1), cache=cache, use_cache=True)
+            llama(ids[:, -1:].expand(rows, -1), cache=cache, use_cache=True)
+        fields[rows] = cache_fields(llama, policy, cache, rows)
+    assert fields[1]["device_bytes"] > 0 and fields[1]["bytes_fetched_per_step"] > 0
+    for key in ("cache_bytes", *TIER_BYTES):
+        assert fields[2][key] == pytest.approx(fields[1][key]), key

@@ -13,8 +13,6 @@ from __future__ import annotations
 import torch
 
 from kvcompress.cache import build_cache
-from kvcompress.metrics.compression import tokens_evicted
-from kvcompress.metrics.memory import tier_summary
 from kvcompress.padding import Padded, check_padding, left_pad
 
 
@@ -61,19 +59,11 @@ def answer_batch(model, policy, heads, tails, question_in_prompt: bool, max_new:
 
 
 def cache_shares(model, policy, cache, rows: int) -> dict:
-    """The batch cache's numbers per row (bytes shared out, slots as they are), and ``compressed`` against
-    ``full`` on the same batch."""
-    from kvcompress.tasks.retrieval import case_compressed
+    """The batch cache's numbers per row (``retrieval.cache_fields``: bytes shared out, slots as they are)
+    and ``batch_rows``."""
+    from kvcompress.tasks.retrieval import cache_fields
 
-    stats, evicted = cache.stats(), tokens_evicted(cache)
-    return {
-        "tokens_stored_mean": sum(s["tokens_stored"] for s in stats) / len(stats),
-        "cache_bytes": cache.memory_bytes() / rows,
-        "tokens_evicted": evicted,  # slots dropped: each row lost as many (padding slots included)
-        "compressed": case_compressed(model, policy, cache, evicted, rows),
-        "batch_rows": rows,
-        **tier_summary(stats),
-    }
+    return {**cache_fields(model, policy, cache, rows), "batch_rows": rows}
 
 
 def run_cases(model, tokenizer, policy, cases: list, cfg, progress=None) -> list[dict]:

@@ -113,15 +113,25 @@ def run_case(model, tokenizer, policy, case: Case, cfg) -> dict:
     cache = build_cache(policy, model)
     stop = eos_ids(model, tokenizer)
     ids = answer(model, cache, head, tail, cfg.question_in_prompt, cfg.max_new_tokens, stop, tokenizer)
-    stats = cache.stats()
-    evicted = tokens_evicted(cache)
+    return {**case_record(tokenizer, case, cfg, head, tail, ids), **cache_fields(model, policy, cache)}
+
+
+TIER_BYTES = ("device_bytes", "host_bytes", "disk_bytes", "bytes_fetched_per_step")
+
+
+def cache_fields(model, policy, cache, rows: int = 1) -> dict:
+    """A case's cache numbers: slots stored per layer, bytes (per row of a batch of ``rows``: the batch
+    cache's bytes shared out), tokens evicted (slots: each row lost as many, padding slots included),
+    ``compressed`` against ``full`` on the same rows, and a tiered cache's bytes per tier and traffic."""
+    stats, evicted = cache.stats(), tokens_evicted(cache)
+    tiers = tier_summary(stats)  # tiered: bytes per tier, fetches per step, LRU hit rate
+    tiers |= {k: tiers[k] / rows for k in TIER_BYTES if k in tiers}
     return {
-        **case_record(tokenizer, case, cfg, head, tail, ids),
         "tokens_stored_mean": sum(s["tokens_stored"] for s in stats) / len(stats),
-        "cache_bytes": cache.memory_bytes(),
+        "cache_bytes": cache.memory_bytes() / rows if rows > 1 else cache.memory_bytes(),
         "tokens_evicted": evicted,
-        "compressed": case_compressed(model, policy, cache, evicted),
-        **tier_summary(stats),  # tiered: bytes per tier, fetches per step, LRU hit rate
+        "compressed": case_compressed(model, policy, cache, evicted, rows),
+        **tiers,
     }
 
 
