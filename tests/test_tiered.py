@@ -22,7 +22,7 @@ from kvcompress import build_cache
 from kvcompress.context_pass import forward_prompt
 from kvcompress.policies.block_sparse_layer import page_bounds
 from kvcompress.storage import page_lru
-from kvcompress.storage.cold import ColdPages
+from kvcompress.storage.cold import MIN_ROWS, ColdPages
 
 IDS = torch.randint(2, 95, (1, 64), generator=torch.Generator().manual_seed(5))
 SMALL = {"block_size": 4, "recent": 8, "lru_pages": 4}
@@ -101,6 +101,18 @@ def test_disk_tier_round_trips_bit_exactly(tmp_path):
     host = stream_logits(model, IDS, build_cache(tiered("host"), model), 3)
     disk = stream_logits(model, IDS, build_cache(tiered("disk", folder=str(tmp_path)), model), 3)
     assert torch.equal(host, disk)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_cold_tier_holds_at_most_a_quarter_more_than_its_rows(tmp_path, tier):
+    cold = ColdPages(tier, str(tmp_path), 8, torch.float32, torch.device("cpu"))
+    rows = torch.randn(1000, 8)
+    for part in rows.split(13):  # many small appends: the capacity grows geometrically
+        cold.append(part)
+        assert cold.nbytes() <= max(1.25 * cold.used + 1, MIN_ROWS) * 8 * 4
+    assert cold.nbytes() >= 1000 * 8 * 4
+    idx = torch.arange(999, -1, -7)
+    assert torch.equal(cold.fetch(idx), rows[idx])
 
 
 def _mapped_offload_files() -> list[str]:

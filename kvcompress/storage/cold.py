@@ -3,8 +3,9 @@
 Pages are rows of one 2D tensor ``(P * B * H_kv, 2 * block_size * D)``, page-major, so a page of one row
 and head is one contiguous row (one copy per fetched page) and growing the tier appends rows. The disk tier
 memory-maps one file per layer under ``dir`` and unlinks it right after mapping: the data lives as long as
-the mapping (the cache), and no file outlives the process, even a killed one. Growth maps a new file of
-twice the capacity and copies the old rows into it.
+the mapping (the cache), and no file outlives the process, even a killed one. Growth allocates (or maps)
+``GROWTH`` times the capacity and copies the old rows over: the tier holds at most a quarter more than its
+rows (doubling would hold up to twice), for about four copies of each row over a long prefill.
 
 The host tier is pinned memory when the device is CUDA, so fetches copy asynchronously. On a CPU-only
 machine the host tier is the same memory as the "device": it saves nothing there (the disk tier does).
@@ -12,11 +13,15 @@ machine the host tier is the same memory as the "device": it saves nothing there
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import uuid
 
 import torch
+
+GROWTH = 1.25  # capacity factor when the tier is full: bounded waste (<= 25%) against amortised copies
+MIN_ROWS = 16
 
 
 def default_dir() -> str:
@@ -57,7 +62,8 @@ class ColdPages:
         """Write ``rows`` (n, row) after the rows held, growing the tier when full."""
         need = self.used + rows.shape[0]
         if self.data is None or need > self.data.shape[0]:
-            grown = self._alloc(max(need, 2 * (0 if self.data is None else self.data.shape[0]), 16))
+            have = 0 if self.data is None else self.data.shape[0]
+            grown = self._alloc(max(need, math.ceil(GROWTH * have), MIN_ROWS))
             if self.used:
                 grown[: self.used].copy_(self.data[: self.used])
             self.data = grown
