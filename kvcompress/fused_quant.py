@@ -11,7 +11,10 @@ layout), then the residual window (full precision) joins the same softmax.
 The sums are written as plain tensor code: ``torch.compile`` fuses unpacking, scaling and reduction into
 one loop over the bytes (C++/OpenMP on CPU, Triton on GPU), compiled once for every length (dynamic
 shapes). Where compile is unavailable the eager form runs the same sums through ``matmul`` (no
-broadcast temporaries); the two agree to float32 rounding. Liu et al., KIVI, arXiv 2402.02750.
+broadcast temporaries); the two agree to float32 rounding. On a CPU, a hand-written kernel
+(``kvcompress.kernels``, ``fused_attention: kernel``, what ``auto`` picks there when it builds) runs the
+same sums one token at a time from the bytes: the only form measured faster than a float32 cache on a CPU.
+Liu et al., KIVI, arXiv 2402.02750.
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ import warnings
 
 import torch
 
-MODES = ("auto", "compile", "eager", "off")
+from kvcompress import kernels
+
+MODES = ("auto", "kernel", "compile", "eager", "off")
+IMPLS = ("matmul", "fused", "kernel")  # eager tensor form, the form torch.compile fuses, the C++ kernel
 COMPILE_MIN_TOKENS = 1024  # "auto": below this a compiled call's fixed cost outweighs its gain
 _COMPILED: dict[str, object] = {}  # "fn" -> the compiled attention, or None once compile failed
 
@@ -73,12 +79,13 @@ def value_output(p, codes, scale, zero, bits: int, group: int, fused: bool) -> t
     return torch.cat(blocks, -1) + zeros.repeat_interleave(group, -1)
 
 
-def attend(query, kq, vq, k_res, v_res, scaling: float, bits: int, group: int, fused: bool) -> torch.Tensor:
+def attend(query, kq, vq, k_res, v_res, scaling: float, bits: int, group: int, impl: str) -> torch.Tensor:
     """One decode query over quantized tokens then the residual window, softmax in float32.
 
     Args:
         query: (B, H, 1, D). kq: key codes, scales, zeros (per channel); vq: value ones (per token).
         k_res, v_res: (B, H_kv, Tr, D) the full-precision window, after the quantized tokens.
+        impl: ``IMPLS``: ``matmul`` (eager), ``fused`` (for ``torch.compile``), ``kernel`` (C++, CPU).
 
     Returns:
         (B, 1, H, D) in the query's dtype, as the models' attention functions return it.
@@ -86,13 +93,22 @@ def attend(query, kq, vq, k_res, v_res, scaling: float, bits: int, group: int, f
     b, h, _, d = query.shape
     h_kv = k_res.shape[1]
     q = query.reshape(b, h_kv, h // h_kv, d).float() * scaling  # (B, H_kv, g, D)
-    logits_q = key_logits(q, *kq, bits, group, fused)  # (B, H_kv, g, Te)
+    logits_q = _sums(impl, "key_logits", q, kq, bits, group)  # (B, H_kv, g, Te)
     logits_r = torch.matmul(q, k_res.float().transpose(-1, -2))  # (B, H_kv, g, Tr)
     probs = torch.softmax(torch.cat([logits_q, logits_r], -1), -1)
     te = logits_q.shape[-1]
-    out = value_output(probs[..., :te], *vq, bits, group, fused)
+    out = _sums(impl, "value_output", probs[..., :te], vq, bits, group)
     out = out + torch.matmul(probs[..., te:], v_res.float())  # (B, H_kv, g, D)
     return out.reshape(b, 1, h, d).to(query.dtype)
+
+
+def _sums(impl: str, name: str, x, parts, bits: int, group: int) -> torch.Tensor:
+    """``key_logits`` or ``value_output`` of ``x`` over quantized ``parts`` in the form ``impl`` says."""
+    if impl == "kernel":
+        codes, scale, zero = parts
+        args = (x.contiguous(), codes.contiguous(), scale.float().contiguous(), zero.float().contiguous())
+        return getattr(kernels.load(), name)(*args, bits, group)
+    return globals()[name](x, *parts, bits, group, impl == "fused")
 
 
 def _compiled():
@@ -102,17 +118,23 @@ def _compiled():
 
 
 def quant_attention(mode: str, query, kq, vq, k_res, v_res, scaling, bits: int, group: int):
-    """``attend`` compiled or eager as ``mode`` says (``"auto"``: compiled from ``COMPILE_MIN_TOKENS``
-    quantized tokens where compile works, eager otherwise)."""
+    """``attend`` in the form ``mode`` says. ``"auto"``: the C++ kernel on a CPU where it builds, else
+    compiled from ``COMPILE_MIN_TOKENS`` quantized tokens where compile works, else eager."""
     args = (query, kq, vq, k_res, v_res, scaling, bits, group)
+    on_cpu = query.device.type == "cpu"
+    if mode == "kernel" or (mode == "auto" and on_cpu and kernels.load() is not None):
+        if not on_cpu or kernels.load() is None:
+            where = "a CUDA tensor" if not on_cpu else f"it did not build: {kernels.why()}"
+            raise RuntimeError(f"quant.fused_attention='kernel' runs on a CPU only ({where})")
+        return attend(*args, "kernel")
     want = mode == "compile" or (mode == "auto" and kq[0].shape[2] >= COMPILE_MIN_TOKENS)
     if want and _COMPILED.get("fn", True) is not None:
         try:
-            return _compiled()(*args, True)
+            return _compiled()(*args, "fused")
         except Exception as err:  # no C++ compiler / Triton here: the eager form, said once
             if mode == "compile":
                 raise
             _COMPILED["fn"] = None
             msg = f"quant fused attention: torch.compile unavailable ({err!r:.200}); eager form used"
             warnings.warn(msg, stacklevel=2)
-    return attend(*args, False)
+    return attend(*args, "matmul")

@@ -36,6 +36,9 @@ CONTENDERS = {
     "int4": ("quant", {"bits": 4, "fused_attention": "compile"}),  # what "auto" was when measured
     "int8": ("quant", {"bits": 8, "fused_attention": "compile"}),
     "int4_unfused": ("quant", {"bits": 4, "fused_attention": "off"}),
+    "int4_kernel": ("quant", {"bits": 4, "fused_attention": "kernel"}),  # what "auto" is on a CPU now
+    "int8_kernel": ("quant", {"bits": 8, "fused_attention": "kernel"}),
+    "int2_kernel": ("quant", {"bits": 2, "fused_attention": "kernel"}),
     "block_sparse_0.25": ("block_sparse", {"read_ratio": 0.25}),
     "low_rank_32": ("low_rank", {"rank": 32}),  # fused_attention auto: latent values, pre-RoPE keys rebuilt
     "snapkv_0.5": ("snapkv", {"compression_ratio": 0.5}),
@@ -45,7 +48,7 @@ CONTENDERS = {
     "low_rank_32_post_off": ("low_rank", {"rank": 32, "keys": "post_rope", "fused_attention": "off"}),
 }
 REPLAYABLE = {"int4", "int8", "int4_unfused", "block_sparse_0.25"} | {
-    n for n in CONTENDERS if "low_rank" in n
+    n for n in CONTENDERS if "low_rank" in n or "kernel" in n
 }
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress import fused_quant
+from kvcompress import fused_quant, kernels
 from kvcompress.fields import Choice, Int
 from kvcompress.spec import ModelSpec, Shape
 from kvcompress.storage import quantizer
@@ -50,7 +50,9 @@ class QuantStore(ResidualStore):
         """Whether a decode query can attend straight from the codes (``kvcompress.fused_quant``)."""
         c = self.config
         on_cpu = self.residual[self.kinds[0]].device.type == "cpu"
-        off = c.fused_attention == "off" or (c.fused_attention == "auto" and on_cpu)  # CPU: measured slower
+        # CPU without the C++ kernel: the tensor forms were measured slower than the dequantized copy
+        no_kernel = on_cpu and kernels.load() is None
+        off = c.fused_attention == "off" or (c.fused_attention == "auto" and no_kernel)
         return not off and self.encoded_length > 0 and len(self.kinds) == 2 and c.codes_layout_fits(self.spec)
 
     def attend_codes(self, query, scaling: float):
@@ -128,8 +130,9 @@ class QuantStorage(Storage):
     tokens are full precision. ``"channel"`` groups are G tokens of one channel (KIVI's keys), ``"token"``
     groups G channels of one token (G must divide head_dim). ``scale_dtype`` ``"auto"`` is the model dtype
     for 16-bit models and float16 for float32 ones. ``fused_attention``: a decode query reads the codes
-    directly (``kvcompress.fused_quant``; ``"auto"``: on a GPU, compiled where it can; on CPU, where the
-    compiled kernel measured slower than dequantize-then-SDPA (experiments/fused), ``"off"``. ``"eager"``
+    directly (``kvcompress.fused_quant``; ``"auto"``: on a CPU the C++ kernel of ``kvcompress.kernels``
+    where it builds, else ``"off"`` (the tensor forms measured slower than dequantize-then-SDPA there,
+    experiments/fused); on a GPU, compiled where it can. ``"kernel"`` must use the C++ kernel, ``"eager"``
     never compiles, ``"compile"`` must, ``"off"`` dequantizes a copy for the model's own attention).
     """
 
@@ -164,7 +167,7 @@ class QuantStorage(Storage):
             )
         if spec.head_dim % (8 // self.bits):
             raise ValueError(f"quant.bits={self.bits}: head_dim={spec.head_dim} cannot be packed into bytes")
-        if self.fused_attention in ("compile", "eager") and not self.codes_layout_fits(spec):
+        if self.fused_attention in ("kernel", "compile", "eager") and not self.codes_layout_fits(spec):
             raise ValueError(
                 f"quant.fused_attention={self.fused_attention!r} reads KIVI's layout only: "
                 f"key_axis='channel', value_axis='token' and a group_size that divides or is a multiple of "

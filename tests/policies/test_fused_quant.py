@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import make_tiny
 
-from kvcompress import build_cache, fused_quant
+from kvcompress import build_cache, fused_quant, kernels
 from kvcompress.metrics.perplexity import decode_perplexity
 from kvcompress.storage import quantizer as Q
 
@@ -34,10 +34,12 @@ def reference(query, kq, vq, k_res, v_res, bits, group):
 
 
 @pytest.mark.parametrize("bits,group", [(8, 4), (8, 16), (4, 4), (4, 8), (4, 16), (2, 8), (2, 16)])
-@pytest.mark.parametrize("fused", [False, True])
-def test_attention_from_codes_equals_attention_over_the_dequantized_copy(bits, group, fused):
+@pytest.mark.parametrize("impl", fused_quant.IMPLS)
+def test_attention_from_codes_equals_attention_over_the_dequantized_copy(bits, group, impl):
+    if impl == "kernel" and kernels.load() is None:
+        pytest.skip(f"the C++ kernel does not build here: {kernels.why()}")
     query, kq, vq, k_res, v_res = quantized_attention_case(bits, group)
-    got = fused_quant.attend(query, kq, vq, k_res, v_res, 0.25, bits, group, fused)
+    got = fused_quant.attend(query, kq, vq, k_res, v_res, 0.25, bits, group, impl)
     want = reference(query, kq, vq, k_res, v_res, bits, group)
     assert got.shape == (1, 1, 6, 16)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -52,11 +54,14 @@ def _perplexity(model, ids, mode):
     return decode_perplexity(model, ids, cache, progress=False)["perplexity"], len(calls)
 
 
-def test_perplexity_is_unchanged_by_the_fused_path():
+@pytest.mark.parametrize("mode", ["eager", "kernel"])
+def test_perplexity_is_unchanged_by_the_fused_path(mode):
+    if mode == "kernel" and kernels.load() is None:
+        pytest.skip(f"the C++ kernel does not build here: {kernels.why()}")
     model = make_tiny("llama")
     ids = torch.randint(2, 90, (1, 96), generator=torch.Generator().manual_seed(3))
     dense, dense_calls = _perplexity(model, ids, "off")
-    fused, fused_calls = _perplexity(model, ids, "eager")
+    fused, fused_calls = _perplexity(model, ids, mode)
     assert dense_calls == 0 and fused_calls == 3 * (95 - 16)  # every step once 16 tokens are quantized
     assert abs(fused - dense) <= 1e-4 * dense
 
@@ -79,11 +84,12 @@ def test_auto_falls_back_to_eager_once_compile_fails(monkeypatch):
 
     monkeypatch.setattr(fused_quant, "_COMPILED", {})
     monkeypatch.setattr(fused_quant, "COMPILE_MIN_TOKENS", 0)
+    monkeypatch.setattr(kernels, "load", lambda: None)  # as on a machine without a C++ compiler
     monkeypatch.setattr(torch, "compile", broken)
     args = quantized_attention_case(4, 8)
     with pytest.warns(UserWarning, match="torch.compile unavailable"):
         out = fused_quant.quant_attention("auto", *args, 0.25, 4, 8)
-    torch.testing.assert_close(out, fused_quant.attend(*args, 0.25, 4, 8, False))
+    torch.testing.assert_close(out, fused_quant.attend(*args, 0.25, 4, 8, "matmul"))
     assert fused_quant._COMPILED["fn"] is None  # not retried
     with pytest.raises(RuntimeError, match="no C"):
         monkeypatch.setattr(fused_quant, "_COMPILED", {})
@@ -105,7 +111,23 @@ def test_unsupported_axes_read_the_dense_copy(llama, tokens):
     assert not cache.layers[0].store.attends_codes() and logits.isfinite().all()
 
 
-@pytest.mark.parametrize("mode", ["compile", "eager"])
+@pytest.mark.parametrize("mode", ["kernel", "compile", "eager"])
 def test_asking_for_fused_attention_on_a_layout_it_cannot_read_is_refused(llama, mode):
     with pytest.raises(ValueError, match=rf"quant.fused_attention='{mode}' reads KIVI's layout only"):
         build_cache("quant", llama, bits=4, group_size=4, key_axis="token", fused_attention=mode)
+
+
+def test_kernel_mode_off_the_cpu_or_without_a_build_is_refused(monkeypatch):
+    args = quantized_attention_case(4, 8)
+    monkeypatch.setattr(kernels, "load", lambda: None)
+    monkeypatch.setattr(kernels, "why", lambda: "no compiler")
+    with pytest.raises(RuntimeError, match="fused_attention='kernel' runs on a CPU only .*no compiler"):
+        fused_quant.quant_attention("kernel", *args, 0.25, 4, 8)
+    # auto without the kernel reads the dense copy on a CPU (the tensor forms are slower there)
+    llama = make_tiny("llama")
+    ids = torch.randint(2, 90, (1, 24), generator=torch.Generator().manual_seed(1))
+    cache = build_cache("quant", llama, bits=4, group_size=4, residual_length=4)
+    llama(ids, cache=cache, use_cache=True)
+    assert not any(layer.store.attends_codes() for layer in cache.layers)
+    monkeypatch.setattr(kernels, "load", lambda: object())  # a kernel that built
+    assert all(layer.store.attends_codes() for layer in cache.layers)
