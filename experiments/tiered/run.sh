@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Tiered KV cache (tiered selector over offload storage) on the embedded default (SmolLM2-135M, CPU).
 # Records land in experiments/tiered/runs/<name>/results.json; `bash experiments/tiered/run.sh [niah|ppl|bench]`.
+# Sections: niah, niah8k, ppl, bench, bench8k (all by default); resumable: finished records are skipped.
 # Measured with OMP_NUM_THREADS=2 on a shared 2-core CPU machine (the "device" is the CPU: see README.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -8,12 +9,19 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 PY=${PY:-.venv/bin/python}
 K="nice -n ${NICE:-10} $PY -m kvcompress"
 R=experiments/tiered/runs
-NIAH="task=niah task.question_in_prompt=false task.chat_template=true task.progress=false task.depths=[0,25,50,75,100] task.extra_needles=[]"
+NIAH8="task=niah task.question_in_prompt=false task.chat_template=true task.progress=false task.extra_needles=[]"
+NIAH="$NIAH8 task.depths=[0,25,50,75,100]"
 PREFIX="task=perplexity task.max_tokens=2049 task.prefix_tokens=1536 task.chunk_size=1 task.speed=false task.progress=false task.slices=1"
 DECODE="task=perplexity task.max_tokens=1024 task.chunk_size=1 task.speed=false task.progress=false task.slices=1"
 BENCH="task=bench task.policies=[full,tiered] task.peers=[] task.lengths=[2048,4096] task.decode_tokens=16 task.warmup=1 task.repeats=1 task.progress=false"
 BUDGET=600  # tokens per layer and KV head: the eviction policies at tiered's device bytes at 2k (~0.29 of full)
-run() { local name=$1; shift; [ -f "$R/$name/results.json" ] && grep -q '"status": "ok"' "$R/$name/results.json" && return 0; $K "$@" hydra.run.dir="$R/$name"; }
+# ONLY="name ..." runs just those records (two streams on two cores: give each its own names)
+run() {
+  local name=$1; shift
+  [[ -n ${ONLY:-} && " $ONLY " != *" $name "* ]] && return 0
+  [ -f "$R/$name/results.json" ] && grep -q '"status": "ok"' "$R/$name/results.json" && return 0
+  $K "$@" hydra.run.dir="$R/$name"
+}
 
 what=${1:-all}
 if [[ $what == all || $what == niah ]]; then
@@ -26,17 +34,19 @@ if [[ $what == all || $what == niah ]]; then
   run niah2k_full policy=full $NIAH
 fi
 if [[ $what == all || $what == niah8k ]]; then
-  # NIAH at 8k (the model's context), 5 depths, question after: a needle of our own that full finds at 8k
-  # (the banana needle: full 2/5, it answers "Lisp" from the essays), at about 0.29 of full's device bytes:
-  # page summaries are 1/8 of the bytes at any length, so 160 pages (1280 tokens) are read per step.
-  N8K=("task.lengths=[8000]" "task.needle='The special magic number is 7392.'"
-    "task.question='What is the special magic number?'" task.answer=7392
-    "task.answer_prefix='The special magic number is'")
+  # NIAH at 8k (the model's context), 5 depths, question after: a needle of our own that full finds at 8k.
+  # At 8k SmolLM2-135M finds no needle in the first ~10% of the context (full missed depths 0 and 10 with a
+  # number, a password and a vault-code needle: experiments/tiered/README.md), so the depths span 25-100%.
+  # About 0.29 of full's device bytes: page summaries are 1/8 of the bytes at any length, so 160 pages
+  # (1280 tokens) are read per step.
+  N8K=("task.lengths=[8000]" "task.needle='The secret password is pineapple.'"
+    "task.question='What is the secret password?'" task.answer=pineapple
+    "task.answer_prefix='The secret password is'" "task.depths=[25,40,60,80,100]")
   BUDGET8K=2330  # tokens per layer and KV head: the eviction policies at tiered's device bytes at 8k
-  run niah8k_full policy=full $NIAH "${N8K[@]}"
-  run niah8k_tiered_host policy=tiered policy.top_k_blocks=160 storage=offload storage.lru_pages=160 $NIAH "${N8K[@]}"
+  run niah8k_full policy=full $NIAH8 "${N8K[@]}"
+  run niah8k_tiered_host policy=tiered policy.top_k_blocks=160 storage=offload storage.lru_pages=160 $NIAH8 "${N8K[@]}"
   for p in snapkv h2o block_evict; do
-    run niah8k_$p policy=$p policy.budget=$BUDGET8K policy.compression_ratio=null $NIAH "${N8K[@]}"
+    run niah8k_$p policy=$p policy.budget=$BUDGET8K policy.compression_ratio=null $NIAH8 "${N8K[@]}"
   done
 fi
 if [[ $what == all || $what == ppl ]]; then

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 from omegaconf import OmegaConf
@@ -67,6 +68,7 @@ def run(model, tokenizer, policy, cfg) -> dict:
         max_length=cfg.get("max_length"),
         batch_size=cfg.get("batch_size", 1),
     )
+    start = time.perf_counter()
     out = lm_eval.simple_evaluate(
         model=lm,
         tasks=tasks,
@@ -78,9 +80,11 @@ def run(model, tokenizer, policy, cfg) -> dict:
         log_samples=True,
         bootstrap_iters=cfg.get("bootstrap_iters", 0),
     )
+    seconds = time.perf_counter() - start  # lm-eval's whole evaluation: building requests and scoring
     metrics = flatten_results(out)
     stats = lm.kvc_stats
     metrics.update({k: stats[k] for k in ("chunk_size", "requests", "forward_calls", "tokens")})
+    metrics |= {"batch_size": lm.batch_size, "eval_s": seconds, "requests_per_s": stats["requests"] / seconds}
     if stats.get("cache_bytes") is not None:
         metrics["cache_bytes"] = stats["cache_bytes"]
         metrics["full_cache_bytes"] = full_cache_bytes(model, stats["tokens"], stats["batch"])

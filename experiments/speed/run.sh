@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Speed on the embedded model (SmolLM2-135M, float32, CPU, one thread per process): the decode ratio of the
+# C++ quant kernel and the other compressed caches to full, lm-eval batching, and the 1k-8k scaling table.
+# `bash experiments/speed/run.sh [decode|lm_eval|scaling]` (all by default); resumable: finished records are
+# skipped. Records: experiments/speed/runs/<name>/results.json (decode: experiments/fused/decode_*_kernel.json).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONPATH=$PWD
+PY=${PY:-.venv/bin/python}
+R=experiments/speed/runs
+done_ok() { [ -f "$1" ] && grep -q '"status": "ok"' "$1"; }
+what=${1:-all}
+if [[ $what == all || $what == decode ]]; then
+  # interleaved decode tok/s vs full (rounds x steps, medians and ranges in the record)
+  F=experiments/fused
+  [ -f $F/decode_4k_kernel.json ] || $PY $F/decode_speed.py $F/decode_4k_kernel.json 4096 4 4 full int4_kernel \
+    int8_kernel int2_kernel int4_unfused block_sparse_0.25 low_rank_32 low_rank_32_post snapkv_0.5
+  [ -f $F/decode_8k_kernel.json ] || $PY $F/decode_speed.py $F/decode_8k_kernel.json 8192 3 4 full int4_kernel \
+    int8_kernel int4_unfused
+fi
+if [[ $what == all || $what == lm_eval ]]; then
+  # lm-eval kvc_essays_ppl, --limit 8, chunk_size 1 (exact decode mode): batch 8 against batch 1
+  for b in 8 1; do
+    done_ok $R/lm_eval_b$b/results.json || $PY -m kvcompress task=lm_eval task.limit=8 task.chunk_size=1 \
+      task.batch_size=$b policy=sliding_window hydra.run.dir=$R/lm_eval_b$b > /dev/null
+  done
+fi
+if [[ $what == all || $what == scaling ]]; then
+  # the scaling table: decode tok/s, prefill time, RSS, ratios to full and DynamicCache, ms per 1k context
+  done_ok $R/scaling/results.json || $PY -m kvcompress task=bench "task.lengths=[1024,2048,4096,8192]" \
+    "task.policies=[full,quant,block_sparse,low_rank,snapkv,sliding_window]" "task.peers=[dynamic]" \
+    task.decode_tokens=16 task.warmup=1 task.repeats=1 task.progress=false hydra.run.dir=$R/scaling > /dev/null
+fi
+$PY scripts/collect.py $R || true
