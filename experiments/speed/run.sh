@@ -2,7 +2,7 @@
 # Speed on the embedded model (SmolLM2-135M, float32, CPU, one thread per process): the decode ratio of the
 # C++ quant kernel and the other compressed caches to full, lm-eval batching, and the 1k-8k scaling table.
 # `bash experiments/speed/run.sh [decode|lm_eval|scaling]` (all by default); resumable: finished records are
-# skipped. Records: experiments/speed/runs/<name>/results.json (decode: experiments/fused/decode_*_kernel.json).
+# skipped. Records: experiments/speed/runs/<name>/results.json (decode: experiments/fused/decode_4k_kernel.json).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONPATH=$PWD
@@ -15,8 +15,6 @@ if [[ $what == all || $what == decode ]]; then
   F=experiments/fused
   [ -f $F/decode_4k_kernel.json ] || $PY $F/decode_speed.py $F/decode_4k_kernel.json 4096 4 4 full int4_kernel \
     int8_kernel int2_kernel int4_unfused block_sparse_0.25 low_rank_32 low_rank_32_post snapkv_0.5
-  [ -f $F/decode_8k_kernel.json ] || $PY $F/decode_speed.py $F/decode_8k_kernel.json 8192 3 4 full int4_kernel \
-    int8_kernel int4_unfused
 fi
 if [[ $what == all || $what == lm_eval ]]; then
   # lm-eval kvc_essays_ppl, --limit 8, chunk_size 1 (exact decode mode): batch 8 against batch 1
@@ -27,8 +25,8 @@ if [[ $what == all || $what == lm_eval ]]; then
 fi
 if [[ $what == all || $what == scaling ]]; then
   # the scaling table: decode tok/s, prefill time, RSS, ratios to full and DynamicCache, ms per 1k context
-  done_ok $R/scaling/results.json || $PY -m kvcompress task=bench "task.lengths=[1024,2048,4096,8192]" \
-    "task.policies=[full,quant,block_sparse,low_rank,snapkv,sliding_window]" "task.peers=[dynamic]" \
-    task.decode_tokens=16 task.warmup=1 task.repeats=1 task.progress=false hydra.run.dir=$R/scaling > /dev/null
+  done_ok $R/scaling/results.json || $PY -m kvcompress task=bench "task.lengths=[1024,2048,4096,8000]" \
+    "task.policies=[full,quant,snapkv,sliding_window]" "task.peers=[dynamic]" \
+    task.decode_tokens=8 task.warmup=1 task.repeats=1 task.progress=false hydra.run.dir=$R/scaling > /dev/null
 fi
 $PY scripts/collect.py $R || true

@@ -45,6 +45,9 @@ if [[ $what == all || $what == niah8k ]]; then
   BUDGET8K=2330  # tokens per layer and KV head: the eviction policies at tiered's device bytes at 8k
   run niah8k_full policy=full $NIAH8 "${N8K[@]}"
   run niah8k_tiered_host policy=tiered policy.top_k_blocks=160 storage=offload storage.lru_pages=160 $NIAH8 "${N8K[@]}"
+  # pages of 16 tokens: summaries cost 1/16 of the bytes instead of 1/8, so 110 pages (1760 tokens) fit in 0.29
+  run niah8k_tiered_b16 policy=tiered policy.top_k_blocks=110 storage=offload storage.block_size=16 \
+    storage.lru_pages=110 $NIAH8 "${N8K[@]}"
   for p in snapkv h2o block_evict; do
     run niah8k_$p policy=$p policy.budget=$BUDGET8K policy.compression_ratio=null $NIAH8 "${N8K[@]}"
   done
