@@ -5,6 +5,10 @@
 
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 // Codes of one token (W packed bytes, block layout: bits [b*k, b*(k+1)) of byte j hold channel k*W + j)
@@ -20,12 +24,125 @@ inline void unpack(const uint8_t* bytes, int64_t w, int bits, float* c) {
   }
 }
 
+#if defined(__AVX512F__)
+constexpr int64_t LANES = 16;  // floats in a zmm register; a block of 16 tokens shares one reduction
+constexpr int64_t MAX_REGS = 8;  // registers of one head's value sum: head_dim up to 128
+
+// Whether the AVX-512 loops fit: whole registers of channels and of packed bytes.
+inline bool wide(int64_t d, int64_t w, int64_t group) {
+  return d % LANES == 0 && d <= MAX_REGS * LANES && w % LANES == 0 && group % LANES == 0;
+}
+
+// unpack() with vector instructions: 16 bytes at a time, one bit plane per register of floats.
+inline void unpack_wide(const uint8_t* bytes, int64_t w, int bits, float* c) {
+  const int per = 8 / bits;
+  const __m128i mask = _mm_set1_epi8(static_cast<char>((1 << bits) - 1));
+  for (int64_t j = 0; j < w; j += LANES) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + j));
+    for (int k = 0; k < per; ++k) {
+      __m128i v = k ? _mm_srl_epi16(x, _mm_cvtsi32_si128(bits * k)) : x;  // bytes' neighbours masked next
+      if (per > 1) v = _mm_and_si128(v, mask);
+      _mm512_storeu_ps(c + k * w + j, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)));
+    }
+  }
+}
+
+// r[t] = sum of the 16 lanes of a[t], for 16 registers at once (a transpose that adds as it goes).
+inline __m512 reduce16(__m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: [a(2i) lo+hi, a(2i+1) lo+hi]
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit quarters: [a(4i), a(4i+1), a(4i+2), a(4i+3)] 4 lanes each
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // within each quarter: pairs of lanes
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+  // lane 4q + j of e holds token 4j + q
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, e);
+}
+#endif
+
 void check(const torch::Tensor& t, at::ScalarType dtype, int64_t dim, const char* name) {
   TORCH_CHECK(t.scalar_type() == dtype && t.dim() == dim && t.is_contiguous() && t.device().is_cpu(),
               name, ": expected a contiguous CPU tensor of ", dim, " dims and ", dtype);
 }
 
 }  // namespace
+
+#if defined(__AVX512F__)
+#define LANES_OR_1 LANES
+
+// Logits of 16 tokens (one key group's, sharing qs and zc) for each of the g query heads: the codes are
+// unpacked once into ``block`` (16, D), each head's 16 dot products end in one reduce16.
+inline void keys_wide(const uint8_t* bytes, int64_t w, int bits, int64_t d, int64_t g, const float* qs,
+                      const float* zc, float* block, float* out, int64_t te) {
+  for (int64_t t = 0; t < LANES; ++t) unpack_wide(bytes + t * w, w, bits, block + t * d);
+  for (int64_t i = 0; i < g; ++i) {
+    __m512 acc[LANES];
+    for (int64_t t = 0; t < LANES; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < d; e += LANES) {
+      const __m512 q = _mm512_loadu_ps(qs + i * d + e);
+      for (int64_t t = 0; t < LANES; ++t) acc[t] = _mm512_fmadd_ps(q, _mm512_loadu_ps(block + t * d + e), acc[t]);
+    }
+    _mm512_storeu_ps(out + i * te, _mm512_add_ps(reduce16(acc), _mm512_set1_ps(zc[i])));
+  }
+}
+
+// One head's value sum over a block of 16 unpacked tokens, R = D/16 registers (a template, so the running
+// sum stays in registers): acc_r += (p_t s_tj) c_t[r] for the value group j of register r.
+template <int R>
+inline void value_block(const float* pi, const float* scale, int64_t ng, int64_t per_group, const float* block,
+                        float* out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_loadu_ps(out + r * LANES);
+  for (int64_t t = 0; t < LANES; ++t) {
+    const float* st = scale + t * ng;
+    const float* bt = block + t * R * LANES;
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(pi[t] * st[r / per_group]), _mm512_loadu_ps(bt + r * LANES), acc[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * LANES, acc[r]);
+}
+
+// sum_t p_t v_t for one KV head's g query heads, 16 tokens at a time: each block of codes is unpacked once
+// into ``block``, then every head accumulates it scaled by p_t s_tj (value_block), plus sum_t p_t z_tj.
+inline void values_wide(const uint8_t* codes, const float* scale, const float* zero, const float* p,
+                        int64_t te, int64_t w, int bits, int64_t d, int64_t g, int64_t group, float* block,
+                        float* out) {
+  const int64_t ng = d / group, regs = d / LANES, per_group = group / LANES;
+  for (int64_t i = 0; i < g; ++i)
+    for (int64_t e = 0; e < d; ++e) out[i * d + e] = 0.f;
+  std::vector<float> zs(g * ng, 0.f);
+  for (int64_t t0 = 0; t0 < te; t0 += LANES) {
+    for (int64_t t = 0; t < LANES; ++t) unpack_wide(codes + (t0 + t) * w, w, bits, block + t * d);
+    const float* st = scale + t0 * ng;
+    for (int64_t i = 0; i < g; ++i) {
+      const float* pi = p + i * te + t0;
+      float* oi = out + i * d;
+      switch (regs) {
+        case 1: value_block<1>(pi, st, ng, per_group, block, oi); break;
+        case 2: value_block<2>(pi, st, ng, per_group, block, oi); break;
+        case 3: value_block<3>(pi, st, ng, per_group, block, oi); break;
+        case 4: value_block<4>(pi, st, ng, per_group, block, oi); break;
+        case 5: value_block<5>(pi, st, ng, per_group, block, oi); break;
+        case 6: value_block<6>(pi, st, ng, per_group, block, oi); break;
+        case 7: value_block<7>(pi, st, ng, per_group, block, oi); break;
+        default: value_block<8>(pi, st, ng, per_group, block, oi); break;
+      }
+      for (int64_t t = 0; t < LANES; ++t)
+        for (int64_t j = 0; j < ng; ++j) zs[i * ng + j] += pi[t] * zero[(t0 + t) * ng + j];
+    }
+  }
+  for (int64_t i = 0; i < g; ++i)
+    for (int64_t e = 0; e < d; ++e) out[i * d + e] += zs[i * ng + e / group];
+}
+#else
+#define LANES_OR_1 1
+#endif
 
 // q (B, Hk, g, D) float32 (scaled); codes (B, Hk, Te, W) uint8; scale, zero (B, Hk, Te/G, D) float32
 // (keys quantized per channel, G tokens a group). Returns the logits (B, Hk, g, Te) float32.
@@ -43,8 +160,11 @@ torch::Tensor key_logits(torch::Tensor q, torch::Tensor codes, torch::Tensor sca
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float *sp = scale.data_ptr<float>(), *zp = zero.data_ptr<float>();
   float* op = out.data_ptr<float>();
+#if defined(__AVX512F__)
+  const bool fast = wide(d, w, group);
+#endif
   at::parallel_for(0, bh, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> c(d), qs(g * d), zc(g);
+    std::vector<float> c(d), qs(g * d), zc(g), block(LANES_OR_1 * d);
     for (int64_t x = lo; x < hi; ++x) {
       const float* qx = qp + x * g * d;
       float* ox = op + x * g * te;
@@ -59,6 +179,13 @@ torch::Tensor key_logits(torch::Tensor q, torch::Tensor codes, torch::Tensor sca
           }
           zc[i] = acc;
         }
+#if defined(__AVX512F__)
+        if (fast) {
+          for (int64_t t0 = m * group; t0 < (m + 1) * group; t0 += LANES)
+            keys_wide(cp + (x * te + t0) * w, w, bits, d, g, qs.data(), zc.data(), block.data(), ox + t0, te);
+          continue;
+        }
+#endif
         for (int64_t t = m * group; t < (m + 1) * group; ++t) {
           unpack(cp + (x * te + t) * w, w, bits, c.data());
           for (int64_t i = 0; i < g; ++i) {
@@ -91,12 +218,22 @@ torch::Tensor value_output(torch::Tensor p, torch::Tensor codes, torch::Tensor s
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float *sp = scale.data_ptr<float>(), *zp = zero.data_ptr<float>();
   float* op = out.data_ptr<float>();
+#if defined(__AVX512F__)
+  const bool fast = wide(d, w, group) && te % LANES == 0;
+#endif
   at::parallel_for(0, bh, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> c(d), acc(g * d), zs(g * ng);
+    std::vector<float> c(d), acc(g * d), zs(g * ng), block(LANES_OR_1 * d);
     for (int64_t x = lo; x < hi; ++x) {
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(zs.begin(), zs.end(), 0.f);
       const float* px = pp + x * g * te;
+#if defined(__AVX512F__)
+      if (fast) {
+        values_wide(cp + x * te * w, sp + x * te * ng, zp + x * te * ng, px, te, w, bits, d, g, group,
+                    block.data(), op + x * g * d);
+        continue;
+      }
+#endif
       for (int64_t t = 0; t < te; ++t) {
         unpack(cp + (x * te + t) * w, w, bits, c.data());
         const float* s = sp + (x * te + t) * ng;

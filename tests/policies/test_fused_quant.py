@@ -45,6 +45,18 @@ def test_attention_from_codes_equals_attention_over_the_dequantized_copy(bits, g
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bits,group", [(8, 16), (4, 16), (4, 32), (2, 32)])
+def test_kernel_vector_path_equals_attention_over_the_dequantized_copy(bits, group):
+    """head_dim 64 and groups of 16 or 32 tokens: the kernel's 16-token blocks (AVX-512 where the CPU has
+    it; the scalar loops elsewhere give the same numbers)."""
+    if kernels.load() is None:
+        pytest.skip(f"the C++ kernel does not build here: {kernels.why()}")
+    query, kq, vq, k_res, v_res = quantized_attention_case(bits, group, te=96, d=64, seed=1)
+    got = fused_quant.attend(query, kq, vq, k_res, v_res, 0.25, bits, group, "kernel")
+    want = reference(query, kq, vq, k_res, v_res, bits, group)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def _perplexity(model, ids, mode):
     cache = build_cache("quant", model, bits=4, group_size=8, residual_length=8, fused_attention=mode)
     calls = []
