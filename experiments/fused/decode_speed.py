@@ -42,6 +42,12 @@ CONTENDERS = {
     "block_sparse_0.25": ("block_sparse", {"read_ratio": 0.25}),
     "low_rank_32": ("low_rank", {"rank": 32}),  # fused_attention auto: latent values, pre-RoPE keys rebuilt
     "snapkv_0.5": ("snapkv", {"compression_ratio": 0.5}),
+    # the other eviction policies at ratio 0.5 (the window at half of a 4k prompt)
+    **{
+        f"{p}_0.5": (p, {"compression_ratio": 0.5})
+        for p in ("h2o", "tova", "pyramidkv", "block_evict", "expected_attention", "kvzip")
+    },  # fmt: skip
+    "sliding_window_2048": ("sliding_window", {"window": 2048}),
     # low_rank: reconstruct-then-SDPA (off) vs attention in the latent space (on), pre- and post-RoPE keys
     "low_rank_32_off": ("low_rank", {"rank": 32, "fused_attention": "off"}),
     "low_rank_32_post": ("low_rank", {"rank": 32, "keys": "post_rope", "fused_attention": "on"}),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Speed on the embedded model (SmolLM2-135M, float32, CPU, one thread per process): the decode ratio of the
 # C++ quant kernel and the other compressed caches to full, lm-eval batching, and the 1k-8k scaling table.
-# `bash experiments/speed/run.sh [decode|lm_eval|scaling]` (all by default); resumable: finished records are
+# `bash experiments/speed/run.sh [decode|evict|lm_eval|scaling]` (all by default); resumable: finished records are
 # skipped. Records: experiments/speed/runs/<name>/results.json (decode: experiments/fused/decode_4k_kernel.json).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -15,6 +15,12 @@ if [[ $what == all || $what == decode ]]; then
   F=experiments/fused
   [ -f $F/decode_4k_kernel.json ] || $PY $F/decode_speed.py $F/decode_4k_kernel.json 4096 4 4 full int4_kernel \
     int8_kernel int2_kernel int4_unfused block_sparse_0.25 low_rank_32 low_rank_32_post snapkv_0.5
+fi
+if [[ $what == all || $what == evict ]]; then
+  # every eviction policy at ratio 0.5 (each prefills 4k tokens itself: scores decide what stays)
+  F=experiments/fused
+  [ -f $F/decode_4k_evict.json ] || $PY $F/decode_speed.py $F/decode_4k_evict.json 4096 3 4 full snapkv_0.5 \
+    h2o_0.5 tova_0.5 pyramidkv_0.5 block_evict_0.5 expected_attention_0.5 kvzip_0.5 sliding_window_2048
 fi
 if [[ $what == all || $what == lm_eval ]]; then
   # lm-eval kvc_essays_ppl, --limit 8, chunk_size 1 (exact decode mode): batch 8 against batch 1
