@@ -209,3 +209,15 @@ def test_compare_block_reads_rows_of_a_multi_row_record(tmp_path):
     assert line.startswith("- hf int4 is better than ours int4") and "paired over 3 slices" in line
     gone = '<!-- generated: compare "runs/main::hf int4" "runs/main::nope" -->\n<!-- /generated -->\n'
     assert "generated: compare" not in regenerate_text(gone, tmp_path, tmp_path / "a.md", DocsReport())
+
+
+def test_a_rows_block_reads_another_list_of_a_bench_record(tmp_path):
+    metrics = {"rows": [{"cache": "full", "context": 1024, "decode_tok_s": 20.0}],
+               "scaling": [{"cache": "full", "decode_ms_per_1k_context": 3.25, "fit_points": 4}]}  # fmt: skip
+    write_json_atomic(tmp_path / "runs/bench/results.json", {"status": "ok", "metrics": metrics})
+    spec = "rows runs/* key=scaling columns=cache,decode_ms_per_1k_context"
+    scaling = f"<!-- generated: {spec} -->\n<!-- /generated -->\n"
+    out = regenerate_text(scaling, tmp_path, tmp_path / "x.md", DocsReport())
+    assert "| full | 3.25 |" in out and "decode_tok_s" not in out
+    out = regenerate_text(scaling.replace(" key=scaling", ""), tmp_path, tmp_path / "x.md", DocsReport())
+    assert "| cache |\n|---|\n| full |" in out  # rows by default: they have no such column

@@ -98,14 +98,15 @@ def pareto_block(args: list[str], options: dict, root: Path, md_path: Path) -> s
 
 
 def rows_block(args: list[str], options: dict, root: Path, md_path: Path) -> str | None:
-    """``rows PATTERN [columns=a,b] [pending]``: the ``rows`` of multi-row records (``bench_quant.py``,
-    ``task=bench``) in the folders matching ``PATTERN``; dropped (or pending) when none exists."""
-    pattern, found = args[0], []
+    """``rows PATTERN [key=rows] [columns=a,b] [pending]``: the ``rows`` (or another list, ``key=scaling``
+    for ``task=bench``'s fitted lines) of multi-row records (``bench_quant.py``, ``task=bench``) in the
+    folders matching ``PATTERN``; dropped (or pending) when none exists."""
+    pattern, found, key = args[0], [], options.get("key", "rows")
     for run_dir in sorted(root.glob(pattern), key=_natural_key):
         path = run_dir / "results.json"
         if path.is_file():
             data = json.loads(path.read_text())
-            rows = data.get("rows") or (data.get("metrics") or {}).get("rows") or []
+            rows = data.get(key) or (data.get("metrics") or {}).get(key) or []
             found.append(
                 (data, [{k: v for k, v in r.items() if not isinstance(v, (list, dict))} for r in rows])
             )
