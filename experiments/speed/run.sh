@@ -15,6 +15,9 @@ if [[ $what == all || $what == decode ]]; then
   F=experiments/fused
   [ -f $F/decode_4k_kernel.json ] || $PY $F/decode_speed.py $F/decode_4k_kernel.json 4096 4 4 full int4_kernel \
     int8_kernel int2_kernel int4_unfused block_sparse_0.25 low_rank_32 low_rank_32_post snapkv_0.5
+  # at 8k (8000: the context must also hold the decoded tokens), the int widths against full, more rounds
+  [ -f $F/decode_8k_kernel.json ] || $PY $F/decode_speed.py $F/decode_8k_kernel.json 8000 6 4 full int4_kernel \
+    int8_kernel int2_kernel int4_unfused
 fi
 if [[ $what == all || $what == evict ]]; then
   # every eviction policy at ratio 0.5 (each prefills 4k tokens itself: scores decide what stays)
