@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import sys
 import warnings
 from pathlib import Path
 
@@ -40,6 +41,8 @@ def load():
             from torch.utils.cpp_extension import load as build
 
             quiet = os.environ.get("KVC_KERNEL_VERBOSE", "0") != "1"
+            note = "kvcompress: loading the C++ quant kernel (built once per machine, in about a minute)"
+            print(note, file=sys.stderr)
             _BUILT["module"] = build(
                 name=f"kvc_quant_attention_{_machine_key()}", sources=[str(SOURCE)],
                 extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=not quiet,
