@@ -88,6 +88,12 @@ class BlockSparseLayer(PolicyLayer):
             return super().attend(query, key, value)
         self._view = (self._view[0], None, None)  # drop the transient references
         pages = self.select(query[:, :, 0])
+        if self.valid is None and self.window is None:  # every read token is real: no mask at all
+            idx = self._tokens_unpadded(pages, key.shape[-2])
+            if self.read_pos is not None:
+                self.read_pos = self.read_pos.expand(-1, idx.shape[1], -1).gather(-1, idx)
+            self._count_unpadded(pages, idx, key)
+            return gather_tokens(key, idx), gather_tokens(value, idx), None
         idx, ok = self._tokens(pages, key.shape[-2])
         if self.read_pos is not None:  # a probe watches: positions of the pages read
             self.read_pos = self.read_pos.expand(-1, idx.shape[1], -1).gather(-1, idx)
@@ -131,6 +137,29 @@ class BlockSparseLayer(PolicyLayer):
         if self.valid is not None:
             ok &= self.valid.expand(-1, t.shape[1], -1).gather(-1, t)
         return t, ok
+
+    def _tokens_unpadded(self, pages: torch.Tensor, total: int) -> torch.Tensor:
+        """Token indices (B, H_kv, n) of ``pages`` (ascending, the newest last, no -1) without padding: whole
+        pages, then only the stored tokens of the newest one, so every index is real and attention needs
+        no mask (a mask would make SDPA repeat the KV heads for GQA)."""
+        bs = self.policy.block_size
+        whole = (pages[..., :-1, None] * bs + torch.arange(bs, device=self.device)).flatten(2)
+        newest = (total - 1) // bs
+        tail = torch.arange(newest * bs, total, device=self.device).expand(*pages.shape[:2], -1)
+        return torch.cat([whole, tail], dim=-1)
+
+    def _count_unpadded(self, pages: torch.Tensor, idx: torch.Tensor, key: torch.Tensor) -> None:
+        """``_count`` where every page and every read token is real: the same counters, from shapes."""
+        b, h_kv, total, d = key.shape
+        row_bytes = 2 * d * key.element_size()
+        n_pages = self.page_max.shape[2]
+        c = self.counters
+        c["decode_steps"] += 1
+        c["pages_read"] = c["pages_read"] + pages.numel()
+        c["pages_total"] = c["pages_total"] + b * h_kv * n_pages
+        c["kv_bytes_read"] = c["kv_bytes_read"] + idx.numel() * row_bytes
+        c["meta_bytes_read"] = c["meta_bytes_read"] + b * h_kv * n_pages * row_bytes
+        c["kv_bytes_full"] = c["kv_bytes_full"] + b * total * h_kv * row_bytes
 
     def _count(self, pages: torch.Tensor, ok: torch.Tensor, key: torch.Tensor) -> None:
         """Add this step's reads to the counters, kept as device tensors (read on the host by ``stats``)."""
