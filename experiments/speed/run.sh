@@ -15,6 +15,9 @@ if [[ $what == all || $what == decode ]]; then
   F=experiments/fused
   [ -f $F/decode_4k_kernel.json ] || $PY $F/decode_speed.py $F/decode_4k_kernel.json 4096 4 4 full int4_kernel \
     int8_kernel int2_kernel int4_unfused block_sparse_0.25 low_rank_32 low_rank_32_post snapkv_0.5
+  # block_sparse after it stopped masking unpadded reads (a mask made SDPA repeat the KV heads)
+  [ -f $F/decode_4k_block_sparse.json ] || $PY $F/decode_speed.py $F/decode_4k_block_sparse.json 4096 4 4 full \
+    block_sparse_0.25 int4_kernel
   # at 8k (8000: the context must also hold the decoded tokens), the int widths against full, more rounds
   [ -f $F/decode_8k_kernel.json ] || $PY $F/decode_speed.py $F/decode_8k_kernel.json 8000 6 4 full int4_kernel \
     int8_kernel int2_kernel int4_unfused
