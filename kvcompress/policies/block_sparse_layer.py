@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvcompress.policies.base import ModelSpec, PolicyLayer
-from kvcompress.storage.buffers import gather_tokens
+from kvcompress.storage.buffers import gather_pages, gather_tokens
 
 if TYPE_CHECKING:
     from kvcompress.policies.block_sparse import BlockSparsePolicy
@@ -89,11 +89,7 @@ class BlockSparseLayer(PolicyLayer):
         self._view = (self._view[0], None, None)  # drop the transient references
         pages = self.select(query[:, :, 0])
         if self.valid is None and self.window is None:  # every read token is real: no mask at all
-            idx = self._tokens_unpadded(pages, key.shape[-2])
-            if self.read_pos is not None:
-                self.read_pos = self.read_pos.expand(-1, idx.shape[1], -1).gather(-1, idx)
-            self._count_unpadded(pages, idx, key)
-            return gather_tokens(key, idx), gather_tokens(value, idx), None
+            return self._attend_unpadded(pages, key, value)
         idx, ok = self._tokens(pages, key.shape[-2])
         if self.read_pos is not None:  # a probe watches: positions of the pages read
             self.read_pos = self.read_pos.expand(-1, idx.shape[1], -1).gather(-1, idx)
@@ -137,6 +133,19 @@ class BlockSparseLayer(PolicyLayer):
         if self.valid is not None:
             ok &= self.valid.expand(-1, t.shape[1], -1).gather(-1, t)
         return t, ok
+
+    def _attend_unpadded(self, pages: torch.Tensor, key, value):
+        """Keys and values (B, H_kv, n, D) of ``pages`` without padding: whole pages copied page by page,
+        then the newest page's stored tokens (a slice), and no mask."""
+        total, bs = key.shape[-2], self.policy.block_size
+        idx = self._tokens_unpadded(pages, total)
+        if self.read_pos is not None:
+            self.read_pos = self.read_pos.expand(-1, idx.shape[1], -1).gather(-1, idx)
+        self._count_unpadded(pages, idx, key)
+        tail = (total - 1) // bs * bs
+        k = torch.cat([gather_pages(key, pages[..., :-1], bs), key[:, :, tail:total]], dim=2)
+        v = torch.cat([gather_pages(value, pages[..., :-1], bs), value[:, :, tail:total]], dim=2)
+        return k, v, None
 
     def _tokens_unpadded(self, pages: torch.Tensor, total: int) -> torch.Tensor:
         """Token indices (B, H_kv, n) of ``pages`` (ascending, the newest last, no -1) without padding: whole

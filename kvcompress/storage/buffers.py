@@ -112,6 +112,25 @@ def gather_tokens(x: torch.Tensor, idx: torch.Tensor, extra: int = 0) -> torch.T
     return rows.index_select(0, flat.view(-1)).view(b, h, -1, d)
 
 
+def gather_pages(x: torch.Tensor, pages: torch.Tensor, block: int) -> torch.Tensor:
+    """Whole pages ``pages`` (B, H, k) of ``block`` tokens of ``x`` (B, H, T, D), as new (B, H, k * block, D).
+
+    One ``index_select`` of ``block * D`` contiguous elements per page (an overlapping strided view whose row
+    ``r`` starts at token row ``r``): ``block`` times fewer, longer copies than ``gather_tokens``.
+    """
+    b, h, t, d = x.shape
+    if pages.shape[-1] == 0:
+        return x.new_empty(b, h, 0, d)
+    rows = _rows(x)
+    if rows is None:  # an arbitrary layout: token by token
+        idx = (pages[..., None] * block + torch.arange(block, device=x.device)).flatten(2)
+        return gather_tokens(x, idx)
+    stride = rows.shape[0] // (b * h)
+    windows = rows.as_strided((rows.shape[0] - block + 1, block * d), (d, 1))  # overlapping page views
+    start = pages.expand(b, h, -1) * block + torch.arange(b * h, device=x.device).view(b, h, 1) * stride
+    return windows.index_select(0, start.view(-1)).view(b, h, -1, d)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor | None:
     """``x`` (B, H, T, D) as (B * H * cap, D) rows of its buffer (cap >= T), or None if not so laid out."""
     b, h, t, d = x.shape

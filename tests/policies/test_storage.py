@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from kvcompress import build_cache
 from kvcompress.policies.base import PolicyLayer
-from kvcompress.storage.buffers import Slots, gather_tokens, headroom
+from kvcompress.storage.buffers import Slots, gather_pages, gather_tokens, headroom
 
 
 def _tokens(b=2, h=3, t=300, d=8, seed=0):
@@ -61,6 +61,19 @@ def test_gather_tokens_falls_back_on_foreign_layouts():
     x = _tokens().transpose(2, 3).contiguous().transpose(2, 3)  # (B, H, T, D) with T-major strides
     idx = torch.arange(0, 300, 3).view(1, 1, -1)
     assert torch.equal(gather_tokens(x, idx, extra=2)[:, :, :100], x[:, :, ::3])
+
+
+def test_gather_pages_equals_gathering_their_tokens():
+    x = _tokens(t=301)
+    slots = Slots()
+    grown = slots.extend("k", slots.extend("k", x[:, :, :150].clone(), x[:, :, 150:151]), x[:, :, 151:])
+    g = torch.Generator().manual_seed(4)
+    pages = torch.stack([torch.randperm(18, generator=g)[:5].sort().values for _ in range(6)]).view(2, 3, 5)
+    tokens = (pages[..., None] * 16 + torch.arange(16)).flatten(2)  # pages of 16 tokens, the last one at 272
+    foreign = x.transpose(2, 3).contiguous().transpose(2, 3)
+    for layout in (x, grown, foreign):  # contiguous, a buffer with headroom, token-major strides
+        assert torch.equal(gather_pages(layout, pages, 16), gather_tokens(x, tokens))
+    assert gather_pages(x, pages[..., :0], 16).shape == (2, 3, 0, 8)
 
 
 @torch.inference_mode()
