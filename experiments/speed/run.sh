@@ -34,6 +34,11 @@ if [[ $what == all || $what == lm_eval ]]; then
     done_ok $R/lm_eval_b$b/results.json || $PY -m kvcompress task=lm_eval task.limit=8 task.chunk_size=1 \
       task.batch_size=$b policy=sliding_window hydra.run.dir=$R/lm_eval_b$b > /dev/null
   done
+  # the same with full: sliding_window copies its window at every step, a cost that grows with the batch
+  for b in 8 1; do
+    done_ok $R/lm_eval_full_b$b/results.json || $PY -m kvcompress task=lm_eval task.limit=8 task.chunk_size=1 \
+      task.batch_size=$b policy=full hydra.run.dir=$R/lm_eval_full_b$b > /dev/null
+  done
 fi
 if [[ $what == all || $what == scaling ]]; then
   # the scaling table: decode tok/s, prefill time, RSS, ratios to full and DynamicCache, ms per 1k context
