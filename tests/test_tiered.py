@@ -115,6 +115,21 @@ def test_cold_tier_holds_at_most_a_quarter_more_than_its_rows(tmp_path, tier):
     assert torch.equal(cold.fetch(idx), rows[idx])
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_narrow_page_summaries_stay_bounds_and_halve_their_bytes(dtype):
+    model = make_tiny("llama")
+    wide, narrow = build_cache(tiered(), model), build_cache(tiered(summary_dtype=dtype), model)
+    stream_logits(model, IDS, wide, 8)
+    stream_logits(model, IDS, narrow, 8)
+    for a, b in zip(wide.layers[:1], narrow.layers[:1], strict=True):  # layer 0: the same keys in both
+        (lo, hi), (lo16, hi16) = a.store.summaries(), b.store.summaries()
+        assert lo16.dtype == getattr(torch, dtype) and lo16.shape == lo.shape
+        assert (lo16.float() <= lo).all() and (hi16.float() >= hi).all()  # rounded outward
+        assert (hi16.float() - hi).abs().max() <= 0.02 * hi.abs().max()  # and no further than one step
+        assert lo16.nbytes * 2 == lo.nbytes
+    assert narrow.memory_bytes() < wide.memory_bytes()
+
+
 def _mapped_offload_files() -> list[str]:
     return [line for line in Path("/proc/self/maps").read_text().splitlines() if "kvcompress-offload" in line]
 

@@ -58,7 +58,7 @@ class TieredLayer(PolicyLayer):
 
     def select(self, query: torch.Tensor) -> torch.Tensor | None:
         """Cold pages (B, H_kv, k) this step reads, -1 for unused slots; None when none is to be read."""
-        lo, hi = self.store.summaries()
+        lo, hi = self.store.summaries(query.dtype)
         score = page_bounds(lo, hi, query)  # (B, H_kv, P)
         real = score > -math.inf  # pages holding a real token
         forced = real & (real.cumsum(-1) <= self.policy.sink_blocks)

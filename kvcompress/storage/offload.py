@@ -8,6 +8,8 @@ back (``lru_pages`` per row and KV head: its byte budget is ``lru_pages * 2 * bl
 Pages of ``block_size`` tokens leave the device at the end of the step in which they fall out of the
 recent window, into the ``tier`` (``host``: pinned CPU memory under CUDA; ``disk``: a memory-mapped file per
 layer under ``dir``, see ``cold.py``). ``memory_bytes()`` counts the device tier; ``stats()`` all tiers.
+``summary_dtype`` (``model``, ``float16``, ``bfloat16``) stores the page bounds narrower, rounded outward so
+they stay bounds: half their bytes on a float32 model, which a byte budget can spend on more fetched pages.
 
 Only a selector that reads pages by score (``tiered``) can serve it: other selectors read every stored
 token at every step, which would bring the whole cache back.
@@ -27,6 +29,18 @@ from kvcompress.storage.base import KINDS, Storage, Store
 from kvcompress.storage.cold import ColdPages
 
 TIERS = ("host", "disk")
+SUMMARY_DTYPES = {"model": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _narrow(bound: torch.Tensor, name: str, direction: int) -> torch.Tensor:
+    """``bound`` in the summary dtype ``name``, rounded outward (``direction`` -1: down for a minimum, +1: up
+    for a maximum), so the page bound of Quest stays a bound."""
+    dtype = SUMMARY_DTYPES[name]
+    if dtype is None or bound.dtype == dtype:
+        return bound
+    out = bound.to(dtype)
+    wrong = out.to(bound.dtype) > bound if direction < 0 else out.to(bound.dtype) < bound
+    return torch.where(wrong, torch.nextafter(out, torch.full_like(out, direction * math.inf)), out)
 
 
 class OffloadStore(Store):
@@ -88,13 +102,18 @@ class OffloadStore(Store):
         lo, hi = pages, pages
         if valid is not None:
             lo, hi = pages.masked_fill(~valid, math.inf), pages.masked_fill(~valid, -math.inf)
-        lo, hi = lo.amin(3), hi.amax(3)
+        lo, hi = (
+            _narrow(lo.amin(3), self.config.summary_dtype, -1),
+            _narrow(hi.amax(3), self.config.summary_dtype, 1),
+        )
         self.page_min = lo if self.page_min is None else torch.cat([self.page_min, lo], dim=2)
         self.page_max = hi if self.page_max is None else torch.cat([self.page_max, hi], dim=2)
 
-    def summaries(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Key min and max (B, H_kv, P, D) of the cold pages."""
-        return self.page_min, self.page_max
+    def summaries(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key min and max (B, H_kv, P, D) of the cold pages (in ``dtype`` when given)."""
+        if dtype is None or self.page_min.dtype == dtype:
+            return self.page_min, self.page_max
+        return self.page_min.to(dtype), self.page_max.to(dtype)
 
     def fetch(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (B, H_kv, k * block_size, D) of cold ``pages`` (B, H_kv, k) (-1: unspecified rows),
@@ -162,13 +181,15 @@ class OffloadStorage(Storage):
     store_class = OffloadStore
     TEST_PARAMS = [{"block_size": 4, "recent": 8, "lru_pages": 3}, {"block_size": 4, "recent": 5,
                    "lru_pages": 4, "tier": "disk"}]  # fmt: skip
-    FUZZ = {"block_size": (1, 8), "recent": (0, 12), "lru_pages": (1, 8), "tier": list(TIERS)}
+    FUZZ = {"block_size": (1, 8), "recent": (0, 12), "lru_pages": (1, 8), "tier": list(TIERS),
+            "summary_dtype": list(SUMMARY_DTYPES)}  # fmt: skip
 
     block_size: int = Int(8, low=1)
     recent: int = Int(32, low=0)
     lru_pages: int = Int(38, low=1)
     tier: str = Choice("host", TIERS)
     dir: str | None = None
+    summary_dtype: str = Choice("model", tuple(SUMMARY_DTYPES))
 
     def __post_init__(self):
         super().__post_init__()
