@@ -48,6 +48,9 @@ if [[ $what == all || $what == niah8k ]]; then
   # pages of 16 tokens: summaries cost 1/16 of the bytes instead of 1/8, so 110 pages (1760 tokens) fit in 0.29
   run niah8k_tiered_b16 policy=tiered policy.top_k_blocks=110 storage=offload storage.block_size=16 \
     storage.lru_pages=110 $NIAH8 "${N8K[@]}"
+  # float16 page bounds (rounded outward): half the summary bytes buy 220 pages (1760 tokens) at the same bytes
+  run niah8k_tiered_f16 policy=tiered policy.top_k_blocks=220 storage=offload storage.lru_pages=220 \
+    storage.summary_dtype=float16 $NIAH8 "${N8K[@]}"
   for p in snapkv h2o block_evict; do
     run niah8k_$p policy=$p policy.budget=$BUDGET8K policy.compression_ratio=null $NIAH8 "${N8K[@]}"
   done
