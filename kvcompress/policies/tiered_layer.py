@@ -36,8 +36,13 @@ class TieredLayer(PolicyLayer):
         qpos = (self.seen - q + torch.arange(q, device=self.device)).view(1, 1, q, 1)
         first = self.store.cold_pages * bs  # slot of the first hot token
         kpos = torch.arange(first, first + total, device=self.device).view(1, 1, 1, -1)
-        ok = self._allowed(kpos, qpos, None if valid is None else valid[:, :, None, first:])
         pages = self.select(query) if self.store.cold_pages else None
+        if q == 1 and valid is None and self.window is None:  # unpadded decode: every slot read is real
+            if pages is not None:  # (no -1 slots: every row and head has as many cold pages)
+                page_k, page_v = self.store.fetch(pages)
+                key, value = torch.cat([page_k, key], dim=2), torch.cat([page_v, value], dim=2)
+            return key, value, None  # no mask: SDPA keeps GQA instead of repeating the KV heads
+        ok = self._allowed(kpos, qpos, None if valid is None else valid[:, :, None, first:])
         if pages is not None:
             page_k, page_v = self.store.fetch(pages)  # (B, H_kv, k * bs, D)
             t = (pages[..., None] * bs + torch.arange(bs, device=self.device)).flatten(2)  # (B, H_kv, k*bs)
