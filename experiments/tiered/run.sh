@@ -67,6 +67,9 @@ if [[ $what == all || $what == bench ]]; then
   # decode tokens/s vs full at 2k and 4k, host and disk tiers, bytes fetched per step
   run bench_host policy=full $BENCH
   run bench_disk policy=full $BENCH "+task.policy_overrides.tiered={storage:{name:offload,tier:disk}}"
+  # after unpadded decode stopped passing a mask to SDPA (which then repeated the KV heads): 4k, 2 samples
+  run bench_host_4k_nomask policy=full task=bench "task.policies=[full,tiered]" "task.peers=[]" \
+    "task.lengths=[4096]" task.decode_tokens=16 task.warmup=1 task.repeats=2
 fi
 if [[ $what == all || $what == bench8k ]]; then
   # at 8k, no warm-up round (a tiered prefill of 8k tokens takes minutes here): one sample each
