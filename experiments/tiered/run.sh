@@ -69,7 +69,7 @@ if [[ $what == all || $what == bench ]]; then
   run bench_disk policy=full $BENCH "+task.policy_overrides.tiered={storage:{name:offload,tier:disk}}"
   # after unpadded decode stopped passing a mask to SDPA (which then repeated the KV heads): 4k, 2 samples
   run bench_host_4k_nomask policy=full task=bench "task.policies=[full,tiered]" "task.peers=[]" \
-    "task.lengths=[4096]" task.decode_tokens=16 task.warmup=1 task.repeats=2
+    "task.lengths=[4096]" task.decode_tokens=16 task.warmup=1 task.repeats=2 task.progress=false
 fi
 if [[ $what == all || $what == bench8k ]]; then
   # at 8k, no warm-up round (a tiered prefill of 8k tokens takes minutes here): one sample each
