@@ -11,6 +11,8 @@
 
 namespace {
 
+constexpr int64_t BLOCK = 16;  // tokens per block of the vector path (floats in a zmm register)
+
 // Codes of one token (W packed bytes, block layout: bits [b*k, b*(k+1)) of byte j hold channel k*W + j)
 // as floats c[0..D).
 inline void unpack(const uint8_t* bytes, int64_t w, int bits, float* c) {
@@ -25,7 +27,7 @@ inline void unpack(const uint8_t* bytes, int64_t w, int bits, float* c) {
 }
 
 #if defined(__AVX512F__)
-constexpr int64_t LANES = 16;  // floats in a zmm register; a block of 16 tokens shares one reduction
+constexpr int64_t LANES = BLOCK;  // floats in a zmm register; a block of 16 tokens shares one reduction
 constexpr int64_t MAX_REGS = 8;  // registers of one head's value sum: head_dim up to 128
 
 // Whether the AVX-512 loops fit: whole registers of channels and of packed bytes.
@@ -66,16 +68,55 @@ inline __m512 reduce16(__m512* a) {
 }
 #endif
 
-void check(const torch::Tensor& t, at::ScalarType dtype, int64_t dim, const char* name) {
-  TORCH_CHECK(t.scalar_type() == dtype && t.dim() == dim && t.is_contiguous() && t.device().is_cpu(),
-              name, ": expected a contiguous CPU tensor of ", dim, " dims and ", dtype);
+void check(const torch::Tensor& t, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(t.scalar_type() == dtype && t.dim() == 4 && t.is_contiguous() && t.device().is_cpu(),
+              name, ": expected a contiguous 4-dim CPU tensor of ", dtype);
 }
+
+// The float input x and the packed codes with their scales and zeros, checked, as raw pointers.
+struct Quantized {
+  const float* x;
+  const uint8_t* codes;
+  const float* scale;
+  const float* zero;
+
+  Quantized(const torch::Tensor& x_, const torch::Tensor& codes_, const torch::Tensor& scale_,
+            const torch::Tensor& zero_) {
+    check(x_, at::kFloat, "x");
+    check(codes_, at::kByte, "codes");
+    check(scale_, at::kFloat, "scale");
+    check(zero_, at::kFloat, "zero");
+    x = x_.data_ptr<float>();
+    codes = codes_.data_ptr<uint8_t>();
+    scale = scale_.data_ptr<float>();
+    zero = zero_.data_ptr<float>();
+  }
+};
 
 }  // namespace
 
-#if defined(__AVX512F__)
-#define LANES_OR_1 LANES
+// acc += sum_t (p_t s_tj) c_t and zs += sum_t p_t z_tj for one KV head's g query heads, one token at a time
+// (the token's scales fold into its probability); ``c`` holds a token's D unpacked codes.
+inline void values_scalar(const uint8_t* codes, const float* scale, const float* zero, const float* p,
+                          int64_t te, int64_t w, int bits, int64_t d, int64_t g, int64_t group, float* c,
+                          float* acc, float* zs) {
+  const int64_t ng = d / group;
+  for (int64_t t = 0; t < te; ++t) {
+    unpack(codes + t * w, w, bits, c);
+    for (int64_t i = 0; i < g; ++i) {
+      const float pi = p[i * te + t];
+      float* ai = acc + i * d;
+      for (int64_t j = 0; j < ng; ++j) {
+        const float ps = pi * scale[t * ng + j];
+        zs[i * ng + j] += pi * zero[t * ng + j];
+#pragma omp simd
+        for (int64_t e = j * group; e < (j + 1) * group; ++e) ai[e] += ps * c[e];
+      }
+    }
+  }
+}
 
+#if defined(__AVX512F__)
 // Logits of 16 tokens (one key group's, sharing qs and zc) for each of the g query heads: the codes are
 // unpacked once into ``block`` (16, D), each head's 16 dot products end in one reduce16.
 inline void keys_wide(const uint8_t* bytes, int64_t w, int bits, int64_t d, int64_t g, const float* qs,
@@ -86,7 +127,8 @@ inline void keys_wide(const uint8_t* bytes, int64_t w, int bits, int64_t d, int6
     for (int64_t t = 0; t < LANES; ++t) acc[t] = _mm512_setzero_ps();
     for (int64_t e = 0; e < d; e += LANES) {
       const __m512 q = _mm512_loadu_ps(qs + i * d + e);
-      for (int64_t t = 0; t < LANES; ++t) acc[t] = _mm512_fmadd_ps(q, _mm512_loadu_ps(block + t * d + e), acc[t]);
+      for (int64_t t = 0; t < LANES; ++t)
+        acc[t] = _mm512_fmadd_ps(q, _mm512_loadu_ps(block + t * d + e), acc[t]);
     }
     _mm512_storeu_ps(out + i * te, _mm512_add_ps(reduce16(acc), _mm512_set1_ps(zc[i])));
   }
@@ -95,76 +137,67 @@ inline void keys_wide(const uint8_t* bytes, int64_t w, int bits, int64_t d, int6
 // One head's value sum over a block of 16 unpacked tokens, R = D/16 registers (a template, so the running
 // sum stays in registers): acc_r += (p_t s_tj) c_t[r] for the value group j of register r.
 template <int R>
-inline void value_block(const float* pi, const float* scale, int64_t ng, int64_t per_group, const float* block,
-                        float* out) {
+inline void value_block(const float* pi, const float* scale, int64_t ng, int64_t per_group,
+                        const float* block, float* out) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_loadu_ps(out + r * LANES);
   for (int64_t t = 0; t < LANES; ++t) {
     const float* st = scale + t * ng;
     const float* bt = block + t * R * LANES;
     for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(pi[t] * st[r / per_group]), _mm512_loadu_ps(bt + r * LANES), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(pi[t] * st[r / per_group]), _mm512_loadu_ps(bt + r * LANES),
+                               acc[r]);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * LANES, acc[r]);
 }
 
-// sum_t p_t v_t for one KV head's g query heads, 16 tokens at a time: each block of codes is unpacked once
-// into ``block``, then every head accumulates it scaled by p_t s_tj (value_block), plus sum_t p_t z_tj.
+// acc += sum_t (p_t s_tj) c_t and zs += sum_t p_t z_tj for one KV head's g query heads, 16 tokens at a time:
+// each block of codes is unpacked once into ``block``, then every head accumulates it (value_block).
+// The buffers never overlap (__restrict__: without it the zero-point sums reload the others, 25% slower).
 inline void values_wide(const uint8_t* codes, const float* scale, const float* zero, const float* p,
-                        int64_t te, int64_t w, int bits, int64_t d, int64_t g, int64_t group, float* block,
-                        float* out) {
-  const int64_t ng = d / group, regs = d / LANES, per_group = group / LANES;
-  for (int64_t i = 0; i < g; ++i)
-    for (int64_t e = 0; e < d; ++e) out[i * d + e] = 0.f;
-  std::vector<float> zs(g * ng, 0.f);
+                        int64_t te, int64_t w, int bits, int64_t d, int64_t g, int64_t group,
+                        float* __restrict__ block, float* __restrict__ acc, float* __restrict__ zs) {
+  const int64_t ng = d / group, per_group = group / LANES;
   for (int64_t t0 = 0; t0 < te; t0 += LANES) {
     for (int64_t t = 0; t < LANES; ++t) unpack_wide(codes + (t0 + t) * w, w, bits, block + t * d);
     const float* st = scale + t0 * ng;
     for (int64_t i = 0; i < g; ++i) {
       const float* pi = p + i * te + t0;
-      float* oi = out + i * d;
-      switch (regs) {
-        case 1: value_block<1>(pi, st, ng, per_group, block, oi); break;
-        case 2: value_block<2>(pi, st, ng, per_group, block, oi); break;
-        case 3: value_block<3>(pi, st, ng, per_group, block, oi); break;
-        case 4: value_block<4>(pi, st, ng, per_group, block, oi); break;
-        case 5: value_block<5>(pi, st, ng, per_group, block, oi); break;
-        case 6: value_block<6>(pi, st, ng, per_group, block, oi); break;
-        case 7: value_block<7>(pi, st, ng, per_group, block, oi); break;
-        default: value_block<8>(pi, st, ng, per_group, block, oi); break;
+      float* ai = acc + i * d;
+      switch (d / LANES) {
+        case 1: value_block<1>(pi, st, ng, per_group, block, ai); break;
+        case 2: value_block<2>(pi, st, ng, per_group, block, ai); break;
+        case 3: value_block<3>(pi, st, ng, per_group, block, ai); break;
+        case 4: value_block<4>(pi, st, ng, per_group, block, ai); break;
+        case 5: value_block<5>(pi, st, ng, per_group, block, ai); break;
+        case 6: value_block<6>(pi, st, ng, per_group, block, ai); break;
+        case 7: value_block<7>(pi, st, ng, per_group, block, ai); break;
+        default: value_block<8>(pi, st, ng, per_group, block, ai); break;
       }
       for (int64_t t = 0; t < LANES; ++t)
         for (int64_t j = 0; j < ng; ++j) zs[i * ng + j] += pi[t] * zero[(t0 + t) * ng + j];
     }
   }
-  for (int64_t i = 0; i < g; ++i)
-    for (int64_t e = 0; e < d; ++e) out[i * d + e] += zs[i * ng + e / group];
 }
-#else
-#define LANES_OR_1 1
 #endif
 
 // q (B, Hk, g, D) float32 (scaled); codes (B, Hk, Te, W) uint8; scale, zero (B, Hk, Te/G, D) float32
 // (keys quantized per channel, G tokens a group). Returns the logits (B, Hk, g, Te) float32.
 torch::Tensor key_logits(torch::Tensor q, torch::Tensor codes, torch::Tensor scale, torch::Tensor zero,
                          int64_t bits, int64_t group) {
-  check(q, at::kFloat, 4, "q");
-  check(codes, at::kByte, 4, "codes");
-  check(scale, at::kFloat, 4, "scale");
-  check(zero, at::kFloat, 4, "zero");
+  const Quantized in(q, codes, scale, zero);
+  const float *qp = in.x, *sp = in.scale, *zp = in.zero;
+  const uint8_t* cp = in.codes;
   const int64_t bh = q.size(0) * q.size(1), g = q.size(2), d = q.size(3);
   const int64_t te = codes.size(2), w = codes.size(3), n = te / group;
   TORCH_CHECK(w * (8 / bits) == d && n * group == te && scale.size(2) == n, "key codes: shapes do not fit");
   auto out = torch::empty({q.size(0), q.size(1), g, te}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float *sp = scale.data_ptr<float>(), *zp = zero.data_ptr<float>();
   float* op = out.data_ptr<float>();
 #if defined(__AVX512F__)
   const bool fast = wide(d, w, group);
 #endif
   at::parallel_for(0, bh, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> c(d), qs(g * d), zc(g), block(LANES_OR_1 * d);
+    std::vector<float> c(d), qs(g * d), zc(g), block(BLOCK * d);
     for (int64_t x = lo; x < hi; ++x) {
       const float* qx = qp + x * g * d;
       float* ox = op + x * g * te;
@@ -206,49 +239,32 @@ torch::Tensor key_logits(torch::Tensor q, torch::Tensor codes, torch::Tensor sca
 // float32 (values quantized per token, G channels a group). Returns sum_t p_t v_t (B, Hk, g, D) float32.
 torch::Tensor value_output(torch::Tensor p, torch::Tensor codes, torch::Tensor scale, torch::Tensor zero,
                            int64_t bits, int64_t group) {
-  check(p, at::kFloat, 4, "p");
-  check(codes, at::kByte, 4, "codes");
-  check(scale, at::kFloat, 4, "scale");
-  check(zero, at::kFloat, 4, "zero");
+  const Quantized in(p, codes, scale, zero);
+  const float *pp = in.x, *sp = in.scale, *zp = in.zero;
+  const uint8_t* cp = in.codes;
   const int64_t bh = p.size(0) * p.size(1), g = p.size(2), te = p.size(3);
   const int64_t w = codes.size(3), d = w * (8 / bits), ng = d / group;
-  TORCH_CHECK(codes.size(2) == te && ng * group == d && scale.size(3) == ng, "value codes: shapes do not fit");
+  TORCH_CHECK(codes.size(2) == te && ng * group == d && scale.size(3) == ng,
+              "value codes: shapes do not fit");
   auto out = torch::empty({p.size(0), p.size(1), g, d}, p.options());
-  const float* pp = p.data_ptr<float>();
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float *sp = scale.data_ptr<float>(), *zp = zero.data_ptr<float>();
   float* op = out.data_ptr<float>();
 #if defined(__AVX512F__)
   const bool fast = wide(d, w, group) && te % LANES == 0;
 #endif
   at::parallel_for(0, bh, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> c(d), acc(g * d), zs(g * ng), block(LANES_OR_1 * d);
+    std::vector<float> c(d), acc(g * d), zs(g * ng), block(BLOCK * d);
     for (int64_t x = lo; x < hi; ++x) {
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(zs.begin(), zs.end(), 0.f);
       const float* px = pp + x * g * te;
+      const uint8_t* cx = cp + x * te * w;
+      const float *sx = sp + x * te * ng, *zx = zp + x * te * ng;
 #if defined(__AVX512F__)
-      if (fast) {
-        values_wide(cp + x * te * w, sp + x * te * ng, zp + x * te * ng, px, te, w, bits, d, g, group,
-                    block.data(), op + x * g * d);
-        continue;
-      }
+      if (fast)
+        values_wide(cx, sx, zx, px, te, w, bits, d, g, group, block.data(), acc.data(), zs.data());
+      else
 #endif
-      for (int64_t t = 0; t < te; ++t) {
-        unpack(cp + (x * te + t) * w, w, bits, c.data());
-        const float* s = sp + (x * te + t) * ng;
-        const float* z = zp + (x * te + t) * ng;
-        for (int64_t i = 0; i < g; ++i) {  // the token's scales fold into its probability
-          const float pi = px[i * te + t];
-          float* ai = acc.data() + i * d;
-          for (int64_t j = 0; j < ng; ++j) {
-            const float ps = pi * s[j];
-            zs[i * ng + j] += pi * z[j];
-#pragma omp simd
-            for (int64_t e = j * group; e < (j + 1) * group; ++e) ai[e] += ps * c[e];
-          }
-        }
-      }
+        values_scalar(cx, sx, zx, px, te, w, bits, d, g, group, c.data(), acc.data(), zs.data());
       float* ox = op + x * g * d;
       for (int64_t i = 0; i < g; ++i)
         for (int64_t e = 0; e < d; ++e) ox[i * d + e] = acc[i * d + e] + zs[i * ng + e / group];
