@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress import fused_quant, kernels
+from kvcompress import fused_quant
 from kvcompress.fields import Choice, Int
 from kvcompress.spec import ModelSpec, Shape
 from kvcompress.storage import quantizer
@@ -50,9 +50,7 @@ class QuantStore(ResidualStore):
         """Whether a decode query can attend straight from the codes (``kvcompress.fused_quant``)."""
         c = self.config
         on_cpu = self.residual[self.kinds[0]].device.type == "cpu"
-        # CPU without the C++ kernel: the tensor forms were measured slower than the dequantized copy
-        no_kernel = on_cpu and kernels.load() is None
-        off = c.fused_attention == "off" or (c.fused_attention == "auto" and no_kernel)
+        off = fused_quant.form(c.fused_attention, on_cpu) is None
         return not off and self.encoded_length > 0 and len(self.kinds) == 2 and c.codes_layout_fits(self.spec)
 
     def attend_codes(self, query, scaling: float):
