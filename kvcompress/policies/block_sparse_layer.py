@@ -136,53 +136,47 @@ class BlockSparseLayer(PolicyLayer):
 
     def _attend_unpadded(self, pages: torch.Tensor, key, value):
         """Keys and values (B, H_kv, n, D) of ``pages`` without padding: whole pages copied page by page,
-        then the newest page's stored tokens (a slice), and no mask."""
-        total, bs = key.shape[-2], self.policy.block_size
-        idx = self._tokens_unpadded(pages, total)
-        if self.read_pos is not None:
+        then the newest page's stored tokens (a slice), so every token read is real and attention needs no
+        mask (a mask would make SDPA repeat the KV heads for GQA)."""
+        (b, h_kv, total, _), bs = key.shape, self.policy.block_size
+        tail = (total - 1) // bs * bs  # the newest page's first slot
+        if self.read_pos is not None:  # a probe watches: positions of the tokens read
+            idx = self._tokens_unpadded(pages, total)
             self.read_pos = self.read_pos.expand(-1, idx.shape[1], -1).gather(-1, idx)
-        self._count_unpadded(pages, idx, key)
-        tail = (total - 1) // bs * bs
+        per_head = (pages.shape[-1] - 1) * bs + total - tail  # tokens read per row and KV head
+        self._add_counts(key, pages.numel(), b * h_kv * self.page_max.shape[2], b * h_kv * per_head,
+                         b * h_kv * total)  # fmt: skip
         k = torch.cat([gather_pages(key, pages[..., :-1], bs), key[:, :, tail:total]], dim=2)
         v = torch.cat([gather_pages(value, pages[..., :-1], bs), value[:, :, tail:total]], dim=2)
         return k, v, None
 
     def _tokens_unpadded(self, pages: torch.Tensor, total: int) -> torch.Tensor:
-        """Token indices (B, H_kv, n) of ``pages`` (ascending, the newest last, no -1) without padding: whole
-        pages, then only the stored tokens of the newest one, so every index is real and attention needs
-        no mask (a mask would make SDPA repeat the KV heads for GQA)."""
+        """Token indices (B, H_kv, n) that ``_attend_unpadded`` reads: whole ``pages`` (ascending, the newest
+        last, no -1), then only the stored tokens of the newest one."""
         bs = self.policy.block_size
         whole = (pages[..., :-1, None] * bs + torch.arange(bs, device=self.device)).flatten(2)
         newest = (total - 1) // bs
         tail = torch.arange(newest * bs, total, device=self.device).expand(*pages.shape[:2], -1)
         return torch.cat([whole, tail], dim=-1)
 
-    def _count_unpadded(self, pages: torch.Tensor, idx: torch.Tensor, key: torch.Tensor) -> None:
-        """``_count`` where every page and every read token is real: the same counters, from shapes."""
-        b, h_kv, total, d = key.shape
-        row_bytes = 2 * d * key.element_size()
-        n_pages = self.page_max.shape[2]
-        c = self.counters
-        c["decode_steps"] += 1
-        c["pages_read"] = c["pages_read"] + pages.numel()
-        c["pages_total"] = c["pages_total"] + b * h_kv * n_pages
-        c["kv_bytes_read"] = c["kv_bytes_read"] + idx.numel() * row_bytes
-        c["meta_bytes_read"] = c["meta_bytes_read"] + b * h_kv * n_pages * row_bytes
-        c["kv_bytes_full"] = c["kv_bytes_full"] + b * total * h_kv * row_bytes
-
     def _count(self, pages: torch.Tensor, ok: torch.Tensor, key: torch.Tensor) -> None:
-        """Add this step's reads to the counters, kept as device tensors (read on the host by ``stats``)."""
-        row_bytes = 2 * key.shape[-1] * key.element_size()  # one token of K and V, or one page min+max
+        """Add a padded step's reads to the counters, as device tensors (read on the host by ``stats``)."""
         b, h_kv, total, _ = key.shape
         n_pages = (self.page_max[..., 0] >= self.page_min[..., 0]).sum()
         real = b * total * h_kv if self.valid is None else self.valid.sum() * (h_kv // self.valid.shape[1])
+        self._add_counts(key, (pages >= 0).sum(), n_pages, ok.sum(), real)
+
+    def _add_counts(self, key: torch.Tensor, pages_read, pages_total, tokens_read, tokens_full) -> None:
+        """One decode step's counts (ints, or device tensors where they depend on padding), in every row and
+        KV head: pages read and existing, tokens (K and V) read and stored."""
+        row_bytes = 2 * key.shape[-1] * key.element_size()  # one token of K and V, or one page min+max
         c = self.counters
         c["decode_steps"] += 1
-        c["pages_read"] = c["pages_read"] + (pages >= 0).sum()
-        c["pages_total"] = c["pages_total"] + n_pages
-        c["kv_bytes_read"] = c["kv_bytes_read"] + ok.sum() * row_bytes
-        c["meta_bytes_read"] = c["meta_bytes_read"] + n_pages * row_bytes
-        c["kv_bytes_full"] = c["kv_bytes_full"] + real * row_bytes
+        c["pages_read"] = c["pages_read"] + pages_read
+        c["pages_total"] = c["pages_total"] + pages_total
+        c["kv_bytes_read"] = c["kv_bytes_read"] + tokens_read * row_bytes
+        c["meta_bytes_read"] = c["meta_bytes_read"] + pages_total * row_bytes
+        c["kv_bytes_full"] = c["kv_bytes_full"] + tokens_full * row_bytes
 
     def stats(self) -> dict:
         c = {k: int(v) for k, v in self.counters.items()}
