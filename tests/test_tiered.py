@@ -89,6 +89,31 @@ def test_fewer_pages_read_fewer_bytes_on_the_device_and_differ_from_full():
     assert 0 < s["lru_hit_rate"] < 1 and s["pages_fetched"] < s["lru_lookups"]
 
 
+def test_unpadded_decode_reads_pages_without_a_mask(monkeypatch):
+    """A mask would make SDPA repeat the KV heads for GQA: unpadded decode steps pass none, chunks do."""
+    from kvcompress.policies.tiered_layer import TieredLayer
+
+    seen, attend = [], TieredLayer.attend
+
+    def spy(self, query, key, value):
+        out = attend(self, query, key, value)
+        seen.append((query.shape[2], out))
+        return out
+
+    monkeypatch.setattr(TieredLayer, "attend", spy)
+    model = make_tiny("llama")
+    cache = build_cache(tiered(), model)
+    got = stream_logits(model, IDS, cache, 16)  # chunks of 16, then the last tokens one at a time below
+    assert any(n > 1 and out[2] is not None for n, out in seen)
+    seen.clear()
+    with torch.inference_mode():
+        for i in range(4):
+            model(IDS[:, i : i + 1], cache=cache, use_cache=True)
+    fetched = [out for n, out in seen if n == 1 and out[0].shape[2] > cache.layers[0].store.keys.shape[2]]
+    assert fetched and all(out[2] is None for n, out in seen)  # pages were read, with no mask
+    assert got.isfinite().all()
+
+
 def test_disk_tier_round_trips_bit_exactly(tmp_path):
     for dtype in (torch.float32, torch.bfloat16):
         cold = ColdPages("disk", str(tmp_path), 24, dtype, torch.device("cpu"))

@@ -29,30 +29,36 @@ class TieredLayer(PolicyLayer):
         self.prefill_chunk = policy.prefill_chunk  # read by kvcompress.context_pass.forward_prompt
 
     def attend(self, query, key, value):
-        """Pages (B, H_kv, k * block_size, D) then hot tokens, and a boolean mask (B, H_kv, q, T)."""
+        """Pages (B, H_kv, k * block_size, D) then hot tokens, and a boolean mask (B, H_kv, q, T), or no mask
+        for an unpadded decode step (every slot read is real, and SDPA keeps GQA without a mask)."""
         total, valid, _ = self._view
         self._view = (total, None, None)
         q, bs = query.shape[2], self.store.config.block_size
-        qpos = (self.seen - q + torch.arange(q, device=self.device)).view(1, 1, q, 1)
-        first = self.store.cold_pages * bs  # slot of the first hot token
-        kpos = torch.arange(first, first + total, device=self.device).view(1, 1, 1, -1)
         pages = self.select(query) if self.store.cold_pages else None
-        if q == 1 and valid is None and self.window is None:  # unpadded decode: every slot read is real
-            if pages is not None:  # (no -1 slots: every row and head has as many cold pages)
-                page_k, page_v = self.store.fetch(pages)
-                key, value = torch.cat([page_k, key], dim=2), torch.cat([page_v, value], dim=2)
-            return key, value, None  # no mask: SDPA keeps GQA instead of repeating the KV heads
-        ok = self._allowed(kpos, qpos, None if valid is None else valid[:, :, None, first:])
+        ok = None
+        if q > 1 or valid is not None or self.window is not None:  # unpadded decode: no -1 page slots
+            qpos = (self.seen - q + torch.arange(q, device=self.device)).view(1, 1, q, 1)
+            first = self.store.cold_pages * bs  # slot of the first hot token
+            kpos = torch.arange(first, first + total, device=self.device).view(1, 1, 1, -1)
+            ok = self._allowed(kpos, qpos, None if valid is None else valid[:, :, None, first:])
+            if pages is not None:
+                page_ok = self._pages_allowed(pages, qpos, valid)
+                ok = torch.cat([page_ok, ok.expand(*page_ok.shape[:2], -1, -1)], dim=-1)
         if pages is not None:
             page_k, page_v = self.store.fetch(pages)  # (B, H_kv, k * bs, D)
-            t = (pages[..., None] * bs + torch.arange(bs, device=self.device)).flatten(2)  # (B, H_kv, k*bs)
-            real = None if valid is None else valid.expand(-1, t.shape[1], -1).gather(-1, t.clamp(min=0))
-            seen = (pages >= 0).repeat_interleave(bs, dim=-1)
-            real = seen if real is None else seen & real
-            page_ok = self._allowed(t[:, :, None, :], qpos, real[:, :, None, :])
-            ok = torch.cat([page_ok, ok.expand(page_ok.shape[0], page_ok.shape[1], -1, -1)], dim=-1)
             key, value = torch.cat([page_k, key], dim=2), torch.cat([page_v, value], dim=2)
+        if ok is None:
+            return key, value, None
         return key, value, ok | ~ok.any(-1, keepdim=True)  # padding queries: no all-masked row (NaN)
+
+    def _pages_allowed(self, pages, qpos, valid) -> torch.Tensor:
+        """Which tokens of the fetched ``pages`` (B, H_kv, k) each query may read: (B, H_kv, q, k * bs)."""
+        bs = self.store.config.block_size
+        t = (pages[..., None] * bs + torch.arange(bs, device=self.device)).flatten(2)  # (B, H_kv, k*bs)
+        real = None if valid is None else valid.expand(-1, t.shape[1], -1).gather(-1, t.clamp(min=0))
+        seen = (pages >= 0).repeat_interleave(bs, dim=-1)
+        real = seen if real is None else seen & real
+        return self._allowed(t[:, :, None, :], qpos, real[:, :, None, :])
 
     def _allowed(self, kpos, qpos, real):
         """Causal by cache position, within the model's own window, never on padding: (B or 1, h, q, T)."""
