@@ -13,6 +13,8 @@ import torch
 from kvcompress.tasks.batched import batch_size, batches, cache_shares, padded_stream
 from kvcompress.tasks.retrieval import eos_ids
 
+CACHE_FIELDS = ("tokens_evicted", "compressed")  # a context's fields of ``retrieval.cache_fields``
+
 
 def run_contexts(model, tokenizer, policy, cfg, grid: list[tuple[int, int]], progress) -> list[dict]:
     """Records of every (length, trial) of ``grid``, in order; ``progress(n)`` after ``n`` contexts."""
@@ -56,4 +58,4 @@ def _ask_batch(model, tokenizer, policy, cfg, prepared: list) -> tuple[list[list
         for b, out in enumerate(stream.greedy(logits, cfg.max_new_tokens, stop)):
             answers[b].append(tokenizer.decode(out, skip_special_tokens=True))
     shares = cache_shares(model, policy, stream.cache, len(prepared))
-    return answers, {k: shares[k] for k in ("tokens_evicted", "compressed", "batch_rows")}
+    return answers, {k: shares[k] for k in (*CACHE_FIELDS, "batch_rows")}

@@ -14,12 +14,11 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from kvcompress.cache import build_cache
-from kvcompress.metrics.compression import tokens_evicted
 from kvcompress.tasks.conversation import ask_all, next_turn_text, token_ids
 from kvcompress.tasks.grid import accuracy_metrics, compression_summary
-from kvcompress.tasks.multi_batched import run_contexts
+from kvcompress.tasks.multi_batched import CACHE_FIELDS, run_contexts
 from kvcompress.tasks.niah import _haystack_ids, sentence_cut
-from kvcompress.tasks.retrieval import case_compressed, eos_ids, is_correct, split_prompt
+from kvcompress.tasks.retrieval import cache_fields, eos_ids, is_correct, split_prompt
 
 
 def depths_for(cfg) -> list[float]:
@@ -81,9 +80,8 @@ def run_context(model, tokenizer, policy, cfg, length: int, trial: int) -> list[
     cache = build_cache(policy, model)
     stop = eos_ids(model, tokenizer)
     responses = ask_all(model, tokenizer, cache, head, turns, cfg.mode, cfg.max_new_tokens, stop)
-    evicted = tokens_evicted(cache)
-    cache_fields = {"tokens_evicted": evicted, "compressed": case_compressed(model, policy, cache, evicted)}
-    return context_records(cfg, ctx, head, (length, trial), responses, cache_fields)
+    fields = cache_fields(model, policy, cache)
+    return context_records(cfg, ctx, head, (length, trial), responses, {k: fields[k] for k in CACHE_FIELDS})
 
 
 def context_records(cfg, ctx: dict, head, cell: tuple[int, int], responses: list[str], cache_fields) -> list:
