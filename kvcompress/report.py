@@ -63,9 +63,9 @@ def columns_for(rows: list[dict]) -> list[str]:
 
 
 def interval(row: dict, column: str) -> tuple[float, float] | None:
-    """The 95% interval (``<column>_ci_low/_high``) or interquartile range (``<column>_q1/_q3``) a row
-    carries for ``column``, or None."""
-    for low, high in (("_ci_low", "_ci_high"), ("_q1", "_q3")):
+    """The 95% interval (``<column>_ci_low/_high``), interquartile range (``<column>_q1/_q3``) or range over
+    rounds (``<column>_min/_max``) a row carries for ``column``, or None."""
+    for low, high in (("_ci_low", "_ci_high"), ("_q1", "_q3"), ("_min", "_max")):
         a, b = row.get(column + low), row.get(column + high)
         if isinstance(a, (int, float)) and isinstance(b, (int, float)):
             return a, b
@@ -74,13 +74,16 @@ def interval(row: dict, column: str) -> tuple[float, float] | None:
 
 def cell(row: dict, column: str) -> str:
     """A table cell: the value, then ``± half`` for a symmetric interval, ``[low, high]`` for an asymmetric
-    one (Wilson) and ``(IQR low-high)`` for a speed's interquartile range."""
+    one (Wilson), ``(IQR low-high)`` for a speed's interquartile range and ``(range low-high)`` for the
+    range of a median over rounds."""
     value, span = row.get(column), interval(row, column)
     if span is None or not isinstance(value, (int, float)):
         return _fmt(value)
     low, high = span
     if column + "_q1" in row:
         return f"{_fmt(value)} (IQR {_fmt(low)}-{_fmt(high)})"
+    if column + "_min" in row and column + "_ci_low" not in row:
+        return f"{_fmt(value)} (range {_fmt(low)}-{_fmt(high)})"
     if math.isclose(high - value, value - low, rel_tol=1e-6, abs_tol=1e-12):
         return f"{_fmt(value)} ± {_fmt(high - value)}"
     return f"{_fmt(value)} [{_fmt(low)}, {_fmt(high)}]"

@@ -221,3 +221,25 @@ def test_a_rows_block_reads_another_list_of_a_bench_record(tmp_path):
     assert "| full | 3.25 |" in out and "decode_tok_s" not in out
     out = regenerate_text(scaling.replace(" key=scaling", ""), tmp_path, tmp_path / "x.md", DocsReport())
     assert "| cache |\n|---|\n| full |" in out  # rows by default: they have no such column
+
+
+def _decode_result(ratio: float, low: float, high: float) -> dict:
+    speed = {"decode_tok_s_median": 10 * ratio, "decode_tok_s_min": 10 * low, "decode_tok_s_max": 10 * high}
+    return {"vs_full_median": ratio, "vs_full_min": low, "vs_full_max": high, "policy_overhead_median": 0.05,
+            "cache_bytes": 2**21, **speed}  # fmt: skip
+
+
+def test_a_decode_block_renders_a_decode_speed_record_with_its_ranges(tmp_path):
+    results = {"full": _decode_result(1.0, 1.0, 1.0), "int4": _decode_result(1.2, 1.1, 1.3)}
+    env = {"OMP_NUM_THREADS": "1", "loadavg_before": [2.0], "loadavg_after": [3.0]}
+    record = {"context": 4096, "rounds": 4, "steps_per_round": 4, "dtype": "torch.float32", "env": env,
+              "results": results}  # fmt: skip
+    write_json_atomic(tmp_path / "exp/decode.json", record)
+    doc = "<!-- generated: decode exp/decode.json names=int4 -->\n<!-- /generated -->\n"
+    out = regenerate_text(doc, tmp_path, tmp_path / "x.md", DocsReport())
+    assert "| int4 | 1.2 (range 1.1-1.3) | 0.05 | 2 |" in out and "| full |" not in out  # vs_full_cpu absent
+    assert "context 4096, 4 rounds of 4 steps" in out and "load average 2.0 before and 3.0 after" in out
+    with pytest.raises(ValueError, match=r"\['int8'\] not in exp/decode.json"):
+        regenerate_text(doc.replace("names=int4", "names=int8"), tmp_path, tmp_path / "x.md", DocsReport())
+    (tmp_path / "exp/decode.json").unlink()
+    assert regenerate_text(doc, tmp_path, tmp_path / "x.md", DocsReport()) == ""  # dropped with its record

@@ -41,7 +41,7 @@ def parse_spec(spec: str) -> tuple[str, list[str], dict]:
 
 def render(spec: str, root: Path, md_path: Path, write: bool = True) -> str | None:
     """The block's new body, or None when the block is to be dropped (its records are gone)."""
-    from kvcompress.docgen import catalog, compare, records
+    from kvcompress.docgen import catalog, compare, decode, records
 
     kind, args, options = parse_spec(spec)
     kinds = {
@@ -49,6 +49,7 @@ def render(spec: str, root: Path, md_path: Path, write: bool = True) -> str | No
         "pareto": records.pareto_block,
         "rows": records.rows_block,
         "compare": compare.compare_block,
+        "decode": decode.decode_block,
         "selectors": catalog.selectors_block,
         "storages": catalog.storages_block,
         "fields": catalog.fields_block,
