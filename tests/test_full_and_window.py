@@ -74,3 +74,52 @@ def test_unknown_policy_lists_known_ones(llama):
         build_cache("nope", llama)
     with pytest.raises(ValueError, match="no field"):
         make_policy("sliding_window", windw=3)
+
+
+def _window_run(llama, ids, chunks, ring: bool, monkeypatch):
+    """Logits and the final cache of a window of 128 + 2 sinks fed ``ids`` in ``chunks`` (sizes)."""
+    from kvcompress.policies.sliding_window import SlidingWindowLayer
+
+    with monkeypatch.context() as m:
+        if not ring:
+            m.setattr(SlidingWindowLayer, "_ring_ok", lambda self: False)
+        cache = build_cache("sliding_window", llama, sink_tokens=2, window=128)
+        out, at = [], 0
+        with torch.inference_mode():
+            for n in chunks:
+                out.append(llama(ids[:, at : at + n], cache=cache, use_cache=True).logits)
+                at += n
+    return torch.cat(out, dim=1), cache
+
+
+def _sorted_tokens(x):
+    """Stored tokens (1, H, T, D) in a canonical order (by their first channel), for set comparison."""
+    return x.gather(2, x[..., :1].argsort(dim=2).expand_as(x))
+
+
+def test_window_ring_decode_equals_the_copying_window(llama, monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(2, 95, (1, 400), generator=g)
+    chunks = [100] + [1] * 200 + [37] + [1] * 63  # decode by ring, a chunk (ring put back in order), decode
+    got, ring = _window_run(llama, ids, chunks, True, monkeypatch)
+    want, copy = _window_run(llama, ids, chunks, False, monkeypatch)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    layer, ref = ring.layers[0], copy.layers[0]
+    assert layer._oldest == 63 and ref._oldest == 0  # the ring did rotate; the reference never does
+    assert (layer.stored_length(), layer.evicted, layer.seen) == (130, 270, 400)
+    torch.testing.assert_close(_sorted_tokens(layer.keys), _sorted_tokens(ref.keys))  # the same tokens
+    assert ring.memory_bytes() == copy.memory_bytes()
+
+
+def test_window_ring_moves_one_token_per_step(llama, monkeypatch):
+    """Past the budget a decode step writes in place: the buffer is never reallocated."""
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(2, 95, (1, 200), generator=g)
+    _, cache = _window_run(llama, ids, [140], True, monkeypatch)
+    layer = cache.layers[0]
+    ptr = layer.keys.untyped_storage().data_ptr()
+    with torch.inference_mode():
+        for i in range(140, 200):
+            llama(ids[:, i : i + 1], cache=cache, use_cache=True)
+            assert layer.keys.untyped_storage().data_ptr() == ptr
+    assert layer.stored_length() == 130 and layer.keys.shape[-2] == 130

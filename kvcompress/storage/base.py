@@ -118,6 +118,15 @@ class Store:
         cannot (the caller then uses ``keep``)."""
         return False
 
+    def can_refill(self) -> bool:
+        """Whether ``refill`` can evict one token in place now (a buffer this store owns, with headroom)."""
+        return False
+
+    def refill(self, slot: int) -> None:
+        """Evict token ``slot`` of every row and head by moving the newest token into its place: O(1), the
+        stored order is not kept. Only after ``can_refill()`` said True."""
+        raise NotImplementedError(f"{type(self).__name__} cannot evict in place")
+
     def attends_codes(self) -> bool:
         """Whether a decode query can attend from what is stored without a dense ``read`` (then
         ``attend_codes(query, scaling)`` returns the attention output (B, 1, H, D))."""

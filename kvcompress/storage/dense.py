@@ -41,13 +41,10 @@ class DenseStore(Store):
             setattr(self, kind, self.slots.take_spans(kind, getattr(self, kind), spans))
 
     def drop_one(self, slot) -> bool:
-        """Move the newest token into ``slot``; refused under 128 tokens (no headroom: small caches stay
-        exact) or for a buffer this store did not allocate."""
+        """Move the newest token into ``slot`` (B, 1 or H_kv, 1); refused where ``can_refill`` is False."""
+        if not self.can_refill():
+            return False
         first = getattr(self, self.kinds[0])
-        if buffers.headroom(first.shape[2]) == 0:
-            return False
-        if not all(self.slots.owns(kind, getattr(self, kind)) for kind in self.kinds):
-            return False
         b, h, t, _ = first.shape
         rows = torch.arange(b, device=first.device).view(b, 1)
         heads = torch.arange(h, device=first.device).view(1, h)
@@ -57,6 +54,24 @@ class DenseStore(Store):
             x[rows, heads, j] = x[:, :, t - 1].clone()  # (B, H_kv, D): the newest token fills the hole
             setattr(self, name, x[:, :, : t - 1])
         return True
+
+    def can_refill(self) -> bool:
+        """False under 128 tokens (no headroom: small caches stay exact) or for a buffer this store did not
+        allocate (a tensor handed in by the model is never written)."""
+        first = getattr(self, self.kinds[0])
+        if first is None or buffers.headroom(first.shape[2]) == 0:
+            return False
+        return all(self.slots.owns(kind, getattr(self, kind)) for kind in self.kinds)
+
+    def refill(self, slot: int) -> None:
+        """May run after the step's forward (a settled eviction): an inference tensor is written under
+        inference mode, any other outside it."""
+        t = self.length
+        for name in self.kinds:
+            x = getattr(self, name)
+            with torch.no_grad(), torch.inference_mode(x.is_inference()):
+                x[:, :, slot] = x[:, :, t - 1]  # (B, H_kv, D): one token's copy, no index tensor
+            setattr(self, name, x[:, :, : t - 1])
 
     def reorder(self, beam_idx) -> None:
         reorder_all(self, self.kinds, beam_idx)
