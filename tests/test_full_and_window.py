@@ -78,11 +78,11 @@ def test_unknown_policy_lists_known_ones(llama):
 
 def _window_run(llama, ids, chunks, ring: bool, monkeypatch):
     """Logits and the final cache of a window of 128 + 2 sinks fed ``ids`` in ``chunks`` (sizes)."""
-    from kvcompress.policies.sliding_window import SlidingWindowLayer
+    from kvcompress.storage.dense import DenseStore
 
     with monkeypatch.context() as m:
-        if not ring:
-            m.setattr(SlidingWindowLayer, "_ring_ok", lambda self: False)
+        if not ring:  # no token moves in place: the window is copied at every step
+            m.setattr(DenseStore, "can_refill", lambda self: False)
         cache = build_cache("sliding_window", llama, sink_tokens=2, window=128)
         out, at = [], 0
         with torch.inference_mode():
@@ -123,3 +123,45 @@ def test_window_ring_moves_one_token_per_step(llama, monkeypatch):
             llama(ids[:, i : i + 1], cache=cache, use_cache=True)
             assert layer.keys.untyped_storage().data_ptr() == ptr
     assert layer.stored_length() == 130 and layer.keys.shape[-2] == 130
+
+
+@torch.inference_mode()
+def _padded_window(llama, rows, monkeypatch, ring: bool, snapshot_at: int | None = None):
+    """Logits (B, n, V) of left-padded ``rows`` streamed one token per forward (lm-eval's decode mode)
+    through a window of 128 + 2 sinks; with ``snapshot_at``, the stream continues from a restored copy."""
+    from kvcompress.padding import Padded, left_pad
+    from kvcompress.storage.dense import DenseStore
+
+    ids, mask = left_pad(rows)
+    with monkeypatch.context() as m:
+        if not ring:
+            m.setattr(DenseStore, "can_refill", lambda self: False)
+        first = None if mask is None else mask[:, :1]
+        stream = Padded(llama, build_cache("sliding_window", llama, sink_tokens=2, window=128), first)
+        out = [stream.prompt(ids[:, :1])]
+        for i in range(1, ids.shape[1]):
+            if i == snapshot_at:
+                stream.restore(stream.snapshot())
+            stream.mask = None if mask is None else mask[:, : i + 1]  # padding comes one token at a time
+            kwargs = stream._kwargs(1)
+            out.append(llama(ids[:, i : i + 1], cache=stream.cache, use_cache=True, **kwargs).logits)
+    return torch.cat(out, 1), stream.cache
+
+
+def test_window_evicts_in_place_in_a_padded_batch_as_each_row_alone(llama, monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randint(2, 95, (1, n), generator=g) for n in (230, 200, 40)]  # row 2 is mostly padding
+    got, cache = _padded_window(llama, rows, monkeypatch, ring=True)
+    want, copy = _padded_window(llama, rows, monkeypatch, ring=False)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    layer = cache.layers[0]
+    assert layer.pos is not None and not bool((layer.pos.diff(dim=-1) > 0).all())  # out of stored order
+    assert layer.stored_length() == 130 and layer.evicted == copy.layers[0].evicted == 100
+    real = [torch.where(x.valid, x.pos, -1).sort(-1).values for x in (layer, copy.layers[0])]
+    assert torch.equal(*real)  # the same real tokens (which padding stays is a tie)
+    for b, row in enumerate(rows):  # each real position's logits equal the row streamed alone
+        alone, _ = _padded_window(llama, [row], monkeypatch, ring=True)
+        n = row.shape[1]
+        torch.testing.assert_close(got[b : b + 1, -n:], alone, atol=2e-5, rtol=1e-4)
+    restored, _ = _padded_window(llama, rows, monkeypatch, ring=True, snapshot_at=150)
+    torch.testing.assert_close(restored, got, atol=1e-6, rtol=1e-6)  # a copied cache settles by a copy

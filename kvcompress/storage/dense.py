@@ -51,7 +51,8 @@ class DenseStore(Store):
         j = slot.expand(b, h, 1)[..., 0]  # (B, H_kv)
         for name in self.kinds:
             x = getattr(self, name)
-            x[rows, heads, j] = x[:, :, t - 1].clone()  # (B, H_kv, D): the newest token fills the hole
+            with torch.no_grad(), torch.inference_mode(x.is_inference()):  # see refill
+                x[rows, heads, j] = x[:, :, t - 1].clone()  # (B, H_kv, D): the newest token fills the hole
             setattr(self, name, x[:, :, : t - 1])
         return True
 
