@@ -34,7 +34,12 @@ if [[ $what == all || $what == lm_eval ]]; then
     done_ok $R/lm_eval_b$b/results.json || $PY -m kvcompress task=lm_eval task.limit=8 task.chunk_size=1 \
       task.batch_size=$b policy=sliding_window hydra.run.dir=$R/lm_eval_b$b > /dev/null
   done
-  # the same with full: sliding_window copies its window at every step, a cost that grows with the batch
+  # sliding_window again once its eviction became in place (a ring; per row with padding), no window copy
+  for b in 8 1; do
+    done_ok $R/lm_eval_ring_b$b/results.json || $PY -m kvcompress task=lm_eval task.limit=8 task.chunk_size=1 \
+      task.batch_size=$b policy=sliding_window hydra.run.dir=$R/lm_eval_ring_b$b > /dev/null
+  done
+  # the same with full: sliding_window copied its window at every step, a cost that grows with the batch
   for b in 8 1; do
     done_ok $R/lm_eval_full_b$b/results.json || $PY -m kvcompress task=lm_eval task.limit=8 task.chunk_size=1 \
       task.batch_size=$b policy=full hydra.run.dir=$R/lm_eval_full_b$b > /dev/null
