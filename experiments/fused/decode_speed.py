@@ -39,7 +39,8 @@ CONTENDERS = {
     "int4_kernel": ("quant", {"bits": 4, "fused_attention": "kernel"}),  # what "auto" is on a CPU now
     "int8_kernel": ("quant", {"bits": 8, "fused_attention": "kernel"}),
     "int2_kernel": ("quant", {"bits": 2, "fused_attention": "kernel"}),
-    "block_sparse_0.25": ("block_sparse", {"read_ratio": 0.25}),
+    "block_sparse_0.25": ("block_sparse", {"read_ratio": 0.25}),  # pages read in place (C++) since caada04
+    "block_sparse_0.25_gather": ("block_sparse", {"read_ratio": 0.25, "fused_attention": "off"}),
     "low_rank_32": ("low_rank", {"rank": 32}),  # fused_attention auto: latent values, pre-RoPE keys rebuilt
     "snapkv_0.5": ("snapkv", {"compression_ratio": 0.5}),
     # the other eviction policies at ratio 0.5 (the window at half of a 4k prompt)
@@ -53,7 +54,7 @@ CONTENDERS = {
     "low_rank_32_post": ("low_rank", {"rank": 32, "keys": "post_rope", "fused_attention": "on"}),
     "low_rank_32_post_off": ("low_rank", {"rank": 32, "keys": "post_rope", "fused_attention": "off"}),
 }
-REPLAYABLE = {"int4", "int8", "int4_unfused", "block_sparse_0.25"} | {
+REPLAYABLE = {"int4", "int8", "int4_unfused", "block_sparse_0.25", "block_sparse_0.25_gather"} | {
     n for n in CONTENDERS if "low_rank" in n or "kernel" in n
 }
 

@@ -9,6 +9,10 @@ the cache, no horizontal sum per token), which is what makes it faster than a fl
 The build is compiled for this machine's instruction set (``-march=native``) and cached
 under torch's extension folder, keyed by the source and the CPU's flags; ``load()`` returns ``None`` with
 the reason where no compiler is available, and callers fall back to the tensor form.
+
+``page_attention.cpp`` computes Quest's decode attention over the chosen pages of a float32 cache where they
+lie (Tang et al., arXiv 2406.10774): logits page by page, then, after torch's softmax, the values' sum; no
+gathered copy of the pages (``load("page_attention")``).
 """
 
 from __future__ import annotations
@@ -20,41 +24,46 @@ import sys
 import warnings
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("quant_attention.cpp")
-_BUILT: dict[str, object] = {}
+KERNELS = ("quant_attention", "page_attention")
+_BUILT: dict[str, dict[str, object]] = {}
 
 
-def _machine_key() -> str:
+def _machine_key(source: Path) -> str:
     flags = ""
     try:
         text = Path("/proc/cpuinfo").read_text()
         flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
     except OSError:
         pass
-    blob = SOURCE.read_bytes() + platform.machine().encode() + flags.encode()
+    blob = source.read_bytes() + platform.machine().encode() + flags.encode()
     return hashlib.sha1(blob).hexdigest()[:12]
 
 
-def load():
-    """The built ``quant_attention`` module, or ``None`` where it cannot be built (see ``why()``)."""
-    if "module" not in _BUILT:
+def load(kernel: str = "quant_attention"):
+    """The built module of ``kernel`` (one of ``KERNELS``), or ``None`` where it cannot be built (see
+    ``why(kernel)``)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernels.load: kernel={kernel!r}; allowed: {list(KERNELS)}")
+    built = _BUILT.setdefault(kernel, {})
+    if "module" not in built:
+        source = Path(__file__).with_name(f"{kernel}.cpp")
         try:
             from torch.utils.cpp_extension import load as build
 
             quiet = os.environ.get("KVC_KERNEL_VERBOSE", "0") != "1"
-            note = "kvcompress: loading the C++ quant kernel (built once per machine, in about a minute)"
+            note = f"kvcompress: loading the C++ kernel {kernel} (built once per machine, in about a minute)"
             print(note, file=sys.stderr)
-            _BUILT["module"] = build(
-                name=f"kvc_quant_attention_{_machine_key()}", sources=[str(SOURCE)],
+            built["module"] = build(
+                name=f"kvc_{kernel}_{_machine_key(source)}", sources=[str(source)],
                 extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=not quiet,
             )  # fmt: skip
         except Exception as err:  # no compiler, no headers, no ninja: the tensor form runs instead
-            _BUILT["module"], _BUILT["error"] = None, f"{err!r:.300}"
-            warnings.warn(f"kvcompress C++ kernels unavailable ({_BUILT['error']}); slower tensor forms used",
-                          stacklevel=2)  # fmt: skip
-    return _BUILT["module"]
+            built["module"], built["error"] = None, f"{err!r:.300}"
+            warnings.warn(f"kvcompress C++ kernel {kernel} unavailable ({built['error']}); slower tensor "
+                          "forms used", stacklevel=2)  # fmt: skip
+    return built["module"]
 
 
-def why() -> str | None:
-    """Why ``load()`` returned ``None`` (``None`` when it built or was not tried)."""
-    return _BUILT.get("error")
+def why(kernel: str = "quant_attention") -> str | None:
+    """Why ``load(kernel)`` returned ``None`` (``None`` when it built or was not tried)."""
+    return _BUILT.get(kernel, {}).get("error")

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvcompress.fields import Float, Int
+from kvcompress import fused_pages
+from kvcompress.fields import Choice, Float, Int
 from kvcompress.policies.base import Policy, Shape
 from kvcompress.policies.block_sparse_layer import BlockSparseLayer
 
@@ -31,6 +32,9 @@ class BlockSparsePolicy(Policy):
         top_k_blocks: pages read per decode step (sink and newest pages included).
         read_ratio: if set, read ``ceil(read_ratio * pages)`` pages per step instead of ``top_k_blocks``.
         sink_blocks: first pages of real tokens that are always read.
+        fused_attention: ``auto`` reads the chosen pages where they lie (C++ kernel, float32 CPU caches
+            without padding; ``kvcompress.fused_pages``), elsewhere gathers them for the model's attention;
+            ``off`` always gathers.
     """
 
     layer_class = BlockSparseLayer
@@ -43,6 +47,7 @@ class BlockSparsePolicy(Policy):
     top_k_blocks: int = Int(16, low=1)
     read_ratio: float | None = Float(None, 0.0, 1.0, low_open=True, null=True)
     sink_blocks: int = Int(1, low=0)
+    fused_attention: str = Choice("auto", fused_pages.MODES)
 
     def __post_init__(self):
         super().__post_init__()

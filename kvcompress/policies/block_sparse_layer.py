@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvcompress import fused_pages
 from kvcompress.policies.base import ModelSpec, PolicyLayer
 from kvcompress.storage.buffers import gather_pages, gather_tokens
 
@@ -39,11 +40,12 @@ class BlockSparseLayer(PolicyLayer):
         super().__init__(policy, layer_idx, spec, store)
         self.shift: list[int] | None = None  # per row: virtual positions before its first real token
         self.meta_len = 0  # stored tokens already summarised in the page bounds
+        self._reads = None  # (pages, keys, values) of a step whose attention reads pages in place
         self.counters = dict.fromkeys(self.COUNTERS, 0)
 
     def reset(self) -> None:
         super().reset()
-        self.shift = None
+        self.shift, self._reads = None, None
         self.meta_len = 0
         self.counters = dict.fromkeys(self.COUNTERS, 0)
 
@@ -89,6 +91,10 @@ class BlockSparseLayer(PolicyLayer):
         self._view = (self._view[0], None, None)  # drop the transient references
         pages = self.select(query[:, :, 0])
         if self.valid is None and self.window is None:  # every read token is real: no mask at all
+            self._count_unpadded(pages, key)
+            if self.read_pos is None and fused_pages.usable(self.policy.fused_attention, key):
+                self.deferred, self._reads = True, (pages, key, value)  # read in place: attend_codes
+                return key, value, None
             return self._attend_unpadded(pages, key, value)
         idx, ok = self._tokens(pages, key.shape[-2])
         if self.read_pos is not None:  # a probe watches: positions of the pages read
@@ -134,21 +140,36 @@ class BlockSparseLayer(PolicyLayer):
             ok &= self.valid.expand(-1, t.shape[1], -1).gather(-1, t)
         return t, ok
 
+    def _count_unpadded(self, pages: torch.Tensor, key) -> None:
+        """Counters of an unpadded step: whole pages, then the newest page's stored tokens."""
+        (b, h_kv, total, _), bs = key.shape, self.policy.block_size
+        per_head = (pages.shape[-1] - 1) * bs + total - (total - 1) // bs * bs  # tokens read per row and head
+        self._add_counts(key, pages.numel(), b * h_kv * self.page_max.shape[2], b * h_kv * per_head,
+                         b * h_kv * total)  # fmt: skip
+
     def _attend_unpadded(self, pages: torch.Tensor, key, value):
         """Keys and values (B, H_kv, n, D) of ``pages`` without padding: whole pages copied page by page,
         then the newest page's stored tokens (a slice), so every token read is real and attention needs no
         mask (a mask would make SDPA repeat the KV heads for GQA)."""
-        (b, h_kv, total, _), bs = key.shape, self.policy.block_size
+        total, bs = key.shape[2], self.policy.block_size
         tail = (total - 1) // bs * bs  # the newest page's first slot
         if self.read_pos is not None:  # a probe watches: positions of the tokens read
             idx = self._tokens_unpadded(pages, total)
             self.read_pos = self.read_pos.expand(-1, idx.shape[1], -1).gather(-1, idx)
-        per_head = (pages.shape[-1] - 1) * bs + total - tail  # tokens read per row and KV head
-        self._add_counts(key, pages.numel(), b * h_kv * self.page_max.shape[2], b * h_kv * per_head,
-                         b * h_kv * total)  # fmt: skip
         k = torch.cat([gather_pages(key, pages[..., :-1], bs), key[:, :, tail:total]], dim=2)
         v = torch.cat([gather_pages(value, pages[..., :-1], bs), value[:, :, tail:total]], dim=2)
         return k, v, None
+
+    def attend_codes(self, query, scaling: float) -> torch.Tensor:
+        """The step's output (B, 1, H, D), its pages read in place (``kvcompress.fused_pages``)."""
+        (pages, key, value), self._reads, self.deferred = self._reads, None, False
+        return fused_pages.attend(query, scaling, key, value, pages, self.policy.block_size, key.shape[2])
+
+    def read_deferred(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chosen pages gathered, where the model's attention cannot be replaced (soft-capping)."""
+        (pages, key, value), self._reads, self.deferred = self._reads, None, False
+        k, v, _ = self._attend_unpadded(pages, key, value)
+        return k, v
 
     def _tokens_unpadded(self, pages: torch.Tensor, total: int) -> torch.Tensor:
         """Token indices (B, H_kv, n) that ``_attend_unpadded`` reads: whole ``pages`` (ascending, the newest

@@ -90,7 +90,7 @@ def test_selection_takes_best_pages_plus_sink_and_newest(no_padding):
 
 
 def test_attend_reads_only_selected_pages_and_counts_bytes(no_padding):
-    policy = BlockSparsePolicy(block_size=4, top_k_blocks=3, sink_blocks=1)
+    policy = BlockSparsePolicy(block_size=4, top_k_blocks=3, sink_blocks=1, fused_attention="off")
     layer = policy.layer(0, SPEC)
     keys = torch.randn(1, SPEC.num_kv_heads, 30, SPEC.head_dim)
     k_all, v_all = layer.update(keys, keys * 2)
@@ -108,6 +108,52 @@ def test_attend_reads_only_selected_pages_and_counts_bytes(no_padding):
     assert stats["meta_bytes_read"] == 8 * SPEC.num_kv_heads * row
     assert stats["kv_bytes_full"] == 30 * SPEC.num_kv_heads * row
     assert stats["pages_read_fraction"] == 3 / 8
+
+
+def _page_kernel_or_skip():
+    from kvcompress import kernels
+
+    if kernels.load("page_attention") is None:
+        pytest.skip(f"the C++ page kernel does not build here: {kernels.why('page_attention')}")
+
+
+@pytest.mark.parametrize("n_tokens,block_size", [(30, 4), (64, 16), (65, 16)])
+def test_pages_read_in_place_equal_attention_over_the_gathered_pages(no_padding, n_tokens, block_size):
+    _page_kernel_or_skip()
+    out = {}
+    for mode in ("auto", "off"):
+        policy = BlockSparsePolicy(block_size=block_size, top_k_blocks=3, fused_attention=mode)
+        layer = policy.layer(0, SPEC)
+        g = torch.Generator().manual_seed(n_tokens)
+        keys = torch.randn(1, SPEC.num_kv_heads, n_tokens, SPEC.head_dim, generator=g)
+        k_all, v_all = layer.update(keys, torch.randn(keys.shape, generator=g))
+        query = torch.randn(1, SPEC.num_heads, 1, SPEC.head_dim, generator=g)
+        k, v, mask = layer.attend(query, k_all, v_all)
+        assert mask is None and layer.deferred == (mode == "auto")
+        if mode == "auto":  # nothing was gathered: attention reads the stored buffer itself
+            assert k.data_ptr() == k_all.data_ptr()
+            out[mode] = layer.attend_codes(query, 0.3)[0, 0]  # (H, D)
+        else:
+            ref = torch.nn.functional.scaled_dot_product_attention(query, k, v, scale=0.3, enable_gqa=True)
+            out[mode] = ref[0, :, 0]
+        out[mode + "_bytes"] = layer.stats()["kv_bytes_read"]
+    torch.testing.assert_close(out["auto"], out["off"], atol=1e-6, rtol=1e-5)
+    assert out["auto_bytes"] == out["off_bytes"]
+
+
+def test_decode_with_pages_read_in_place_keeps_the_logits(llama, tokens, monkeypatch):
+    _page_kernel_or_skip()
+    from kvcompress import fused_pages
+
+    calls = []
+    real = fused_pages.attend
+    monkeypatch.setattr(fused_pages, "attend", lambda *a: calls.append(1) or real(*a))
+    logits = {}
+    for mode in ("auto", "off"):
+        cache = build_cache("block_sparse", llama, block_size=4, top_k_blocks=3, fused_attention=mode)
+        logits[mode] = stream_logits(llama, tokens, cache, chunk=1)
+    assert len(calls) == 48 * llama.config.num_hidden_layers  # every one-token step reads pages in place
+    torch.testing.assert_close(logits["auto"], logits["off"], atol=1e-5, rtol=1e-5)
 
 
 def _expected_reads(n_tokens, block_size, pages_to_read):

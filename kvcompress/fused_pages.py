@@ -1,0 +1,34 @@
+"""Quest's decode attention read in place: the chosen pages of a float32 cache, no gathered copy.
+
+The C++ kernel ``kvcompress/kernels/page_attention.cpp`` computes the logits of a GQA group's query heads
+over whole pages and the newest page's stored tokens, torch's softmax normalises them, and the kernel sums
+the values of the same tokens (Tang et al., "Quest", arXiv 2406.10774, read pages in place on a GPU).
+The numbers are those of SDPA over the gathered pages, to float rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcompress import kernels
+
+MODES = ("auto", "off")
+
+
+def usable(mode: str, key: torch.Tensor) -> bool:
+    """Whether ``mode`` reads ``key``'s pages in place: ``auto`` on a float32 CPU cache (kernel built)."""
+    if mode == "off" or key.dtype != torch.float32 or key.device.type != "cpu" or key.stride(-1) != 1:
+        return False
+    return kernels.load("page_attention") is not None
+
+
+def attend(query, scaling: float, key, value, pages: torch.Tensor, block: int, total: int) -> torch.Tensor:
+    """Output (B, 1, H, D) of decode queries (B, H, 1, D) over ``pages`` (B, H_kv, k) of key/value
+    (B, H_kv, T, D): whole pages ascending, the newest last, of which only ``[.., total)`` is stored."""
+    b, h, _, d = query.shape
+    h_kv = key.shape[1]
+    q = (query.reshape(b, h_kv, h // h_kv, d).float() * scaling).contiguous()  # (B, H_kv, g, D)
+    kernel = kernels.load("page_attention")
+    probs = torch.softmax(kernel.page_logits(q, key, pages.contiguous(), block, total), dim=-1)
+    out = kernel.page_values(probs, value, pages.contiguous(), block, total)  # (B, H_kv, g, D)
+    return out.reshape(b, 1, h, d).to(query.dtype)
