@@ -30,6 +30,7 @@ def fork(cache):
     """A deep copy of ``cache`` sharing the constants of its layers (see module docstring)."""
     memo = {}
     for layer in cache.layers:
+        layer.settle()  # a pending eviction is carried out, not copied
         for shared in (layer.policy, layer.spec, layer.store.config, *layer.store.fixed_tensors()):
             memo[id(shared)] = shared
     new = copy.copy(cache)
@@ -47,6 +48,7 @@ def cache_state(cache) -> tuple[list, dict[str, torch.Tensor]]:
     memo: dict[int, str] = {}  # a tensor held twice is saved once and shared again when loaded
     trees = []
     for i, layer in enumerate(cache.layers):
+        layer.settle()  # an evicted token is not saved
         trees.append(
             {
                 "class": _qualname(layer),

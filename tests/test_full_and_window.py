@@ -165,3 +165,33 @@ def test_window_evicts_in_place_in_a_padded_batch_as_each_row_alone(llama, monke
         torch.testing.assert_close(got[b : b + 1, -n:], alone, atol=2e-5, rtol=1e-4)
     restored, _ = _padded_window(llama, rows, monkeypatch, ring=True, snapshot_at=150)
     torch.testing.assert_close(restored, got, atol=1e-6, rtol=1e-6)  # a copied cache settles by a copy
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_window_settles_by_a_copy_where_its_buffer_is_not_its_own(llama, monkeypatch, padded):
+    """A pending eviction settles alike by moving a token in place and, in a buffer the layer did not
+    allocate, by one copy; a copied or saved cache carries no pending eviction."""
+    import copy
+
+    from kvcompress import persist
+
+    g = torch.Generator().manual_seed(6)
+    if padded:
+        rows = [torch.randint(2, 95, (1, n), generator=g) for n in (150, 120)]
+        _, cache = _padded_window(llama, rows, monkeypatch, ring=True)
+    else:
+        _, cache = _window_run(llama, torch.randint(2, 95, (1, 150), generator=g), [140] + [1] * 10, True,
+                               monkeypatch)  # fmt: skip
+    layer = cache.layers[0]
+    assert layer._pending is not None
+    with torch.inference_mode():
+        twin = copy.deepcopy(layer)
+    twin.store.slots.clear()  # as in a loaded cache: its buffers are not written in place
+    assert not twin.store.can_refill()
+    assert torch.equal(twin.keys, layer.keys) and torch.equal(twin.values, layer.values)
+    assert twin.stored_length() == layer.stored_length() == 130
+    if padded:
+        assert torch.equal(twin.pos, layer.pos) and torch.equal(twin.valid, layer.valid)
+    assert cache.layers[1]._pending is not None  # not looked at yet
+    fork = persist.fork(cache)
+    assert all(layer._pending is None for layer in cache.layers + fork.layers)

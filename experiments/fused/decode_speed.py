@@ -39,7 +39,7 @@ CONTENDERS = {
     "int4_kernel": ("quant", {"bits": 4, "fused_attention": "kernel"}),  # what "auto" is on a CPU now
     "int8_kernel": ("quant", {"bits": 8, "fused_attention": "kernel"}),
     "int2_kernel": ("quant", {"bits": 2, "fused_attention": "kernel"}),
-    "block_sparse_0.25": ("block_sparse", {"read_ratio": 0.25}),  # pages read in place (C++) since caada04
+    "block_sparse_0.25": ("block_sparse", {"read_ratio": 0.25}),  # auto: pages read in place (C++ kernel)
     "block_sparse_0.25_gather": ("block_sparse", {"read_ratio": 0.25, "fused_attention": "off"}),
     "low_rank_32": ("low_rank", {"rank": 32}),  # fused_attention auto: latent values, pre-RoPE keys rebuilt
     "snapkv_0.5": ("snapkv", {"compression_ratio": 0.5}),

@@ -105,6 +105,10 @@ class PolicyLayer(CacheLayerMixin):
         self.end_step()  # after the read: this step's attention still sees its tokens unquantized
         return keys, values
 
+    def settle(self) -> None:
+        """Carry out work a step left for the next look at the layer (an eviction its attention still read);
+        called before the layer is copied or saved."""
+
     def end_step(self) -> None:
         """After the step's last decision: the storage compresses what waited (quantize, project)."""
         self.store.flush(self.valid)

@@ -3,7 +3,7 @@
 Past the budget a decode step evicts one token, and it does so in place (O(1) in the context) wherever
 the storage can move a token (``Store.can_refill``): the newest token moves into the evicted one's slot.
 The step's attention reads every stored token, the evicted one included, so the move is settled at the
-next look at the layer (``_settle``); until then the evicted token's bytes sit in the buffer's counted
+next look at the layer (``settle``); until then the evicted token's bytes sit in the buffer's counted
 headroom and are never read again.
 
 - Without padding the window is a ring: the slot to evict is known without looking (``_oldest``).
@@ -83,7 +83,7 @@ class SlidingWindowLayer(PolicyLayer):
         older = pos.float() / self.seen
         return valid * (1.0 + older) + recent * 2.0 * valid + sink * 4.0
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Carry out the last step's eviction (after that step's attention read the token)."""
         if self._pending is None:
             return
@@ -119,33 +119,33 @@ class SlidingWindowLayer(PolicyLayer):
 
     # -- every look from outside the step settles first ----------------------------------------
     def update(self, key_states, value_states, *args, **kwargs):
-        self._settle()
+        self.settle()
         return super().update(key_states, value_states, *args, **kwargs)
 
     def stored_length(self) -> int:
-        self._settle()
+        self.settle()
         return super().stored_length()
 
     @property
     def keys(self):
-        self._settle()
+        self.settle()
         return self.store.keys
 
     @property
     def values(self):
-        self._settle()
+        self.settle()
         return self.store.values
 
     def tensors(self):
-        self._settle()
+        self.settle()
         return super().tensors()
 
     def positions(self) -> torch.Tensor:
-        self._settle()
+        self.settle()
         return super().positions()
 
     def reorder_cache(self, beam_idx) -> None:
-        self._settle()
+        self.settle()
         super().reorder_cache(beam_idx)
 
     def reset(self) -> None:
