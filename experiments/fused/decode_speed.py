@@ -42,6 +42,7 @@ CONTENDERS = {
     "block_sparse_0.25": ("block_sparse", {"read_ratio": 0.25}),  # auto: pages read in place (C++ kernel)
     "block_sparse_0.25_gather": ("block_sparse", {"read_ratio": 0.25, "fused_attention": "off"}),
     "low_rank_32": ("low_rank", {"rank": 32}),  # fused_attention auto: latent values, pre-RoPE keys rebuilt
+    "low_rank_32_head": ("low_rank", {"rank": 32, "basis": "head"}),  # per-head bases: a third of the rebuild
     "snapkv_0.5": ("snapkv", {"compression_ratio": 0.5}),
     # the other eviction policies at ratio 0.5 (the window at half of a 4k prompt)
     **{

@@ -18,6 +18,10 @@ if [[ $what == all || $what == decode ]]; then
   # block_sparse after it stopped masking unpadded reads (a mask made SDPA repeat the KV heads)
   [ -f $F/decode_4k_block_sparse.json ] || $PY $F/decode_speed.py $F/decode_4k_block_sparse.json 4096 4 4 full \
     block_sparse_0.25 int4_kernel
+  # pages read in place (block_sparse's C++ kernel) against gathered; the window evicting in place (a ring);
+  # low_rank's pre-RoPE keys rebuilt from joint and from per-head bases
+  [ -f $F/decode_4k_inplace.json ] || $PY $F/decode_speed.py $F/decode_4k_inplace.json 4096 6 4 full \
+    block_sparse_0.25 block_sparse_0.25_gather sliding_window_2048 int4_kernel low_rank_32 low_rank_32_head
   # at 8k (8000: the context must also hold the decoded tokens), the int widths against full, more rounds
   [ -f $F/decode_8k_kernel.json ] || $PY $F/decode_speed.py $F/decode_8k_kernel.json 8000 6 4 full int4_kernel \
     int8_kernel int2_kernel int4_unfused
