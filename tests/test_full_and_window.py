@@ -195,3 +195,19 @@ def test_window_settles_by_a_copy_where_its_buffer_is_not_its_own(llama, monkeyp
     assert cache.layers[1]._pending is not None  # not looked at yet
     fork = persist.fork(cache)
     assert all(layer._pending is None for layer in cache.layers + fork.layers)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_full_reference_bytes_of_a_batch_are_the_batch_times_one_row(family):
+    """``full_cache_bytes`` measures one row and multiplies: exactly what a batch of ``full`` holds, windowed
+    layers (Gemma 3's sliding ones keep 12 tokens and their positions) included."""
+    from zoo import make_family
+
+    from kvcompress.metrics.compression import full_cache_bytes
+
+    model = make_family(family)
+    cache = build_cache("full", model)
+    with torch.inference_mode():
+        model(torch.zeros(3, 40, dtype=torch.long), cache=cache, use_cache=True, logits_to_keep=1)
+    assert full_cache_bytes(model, 40, batch=3) == cache.memory_bytes()
+    assert full_cache_bytes(model, 40) * 3 == cache.memory_bytes()
