@@ -11,11 +11,24 @@ namespace {
 // Token spans one KV head reads: whole pages[0..k-1) of ``block`` tokens, then [tail, total) of the newest.
 struct Spans {
   const int64_t* pages;
-  int64_t k, block, tail, total;
+  int64_t k, block, total, tail;
 
+  Spans(const int64_t* pages_, int64_t k_, int64_t block_, int64_t total_)
+      : pages(pages_), k(k_), block(block_), total(total_), tail((total_ - 1) / block_ * block_) {}
   int64_t tokens() const { return (k - 1) * block + total - tail; }
   int64_t start(int64_t s) const { return s + 1 < k ? pages[s] * block : tail; }
   int64_t length(int64_t s) const { return s + 1 < k ? block : total - tail; }
+
+  // f(at, row) for every token read, ``at`` its index among them, ``row`` its D floats in a head whose
+  // tokens are ``stride`` floats apart.
+  template <typename F>
+  void each_token(const float* head, int64_t stride, F f) const {
+    int64_t at = 0;
+    for (int64_t s = 0; s < k; ++s) {
+      const float* row = head + start(s) * stride;
+      for (int64_t t = 0; t < length(s); ++t, ++at, row += stride) f(at, row);
+    }
+  }
 };
 
 // A (B, H_kv, T, D) float32 view whose tokens are rows of D contiguous floats (any strides above).
@@ -41,7 +54,7 @@ void check_pages(const torch::Tensor& pages, int64_t b, int64_t h) {
 }  // namespace
 
 // q (B, H_kv, g, D) float32 contiguous (scaled); keys (B, H_kv, T, D); pages (B, H_kv, k) ascending, the
-// newest page last. Returns the logits (B, H_kv, g, n) over the tokens read, n = (k - 1) * block + total - tail.
+// newest page last. Returns the logits (B, H_kv, g, n) over the tokens read (``Spans::tokens``).
 torch::Tensor page_logits(torch::Tensor q, torch::Tensor keys, torch::Tensor pages, int64_t block,
                           int64_t total) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 4 && q.is_contiguous(), "q: contiguous float32");
@@ -49,31 +62,25 @@ torch::Tensor page_logits(torch::Tensor q, torch::Tensor keys, torch::Tensor pag
   const int64_t b = q.size(0), hk = q.size(1), g = q.size(2), d = q.size(3), k = pages.size(2);
   check_pages(pages, b, hk);
   TORCH_CHECK(kc.d == d && keys.size(1) == hk && total <= keys.size(2), "keys: shapes do not fit");
-  const int64_t tail = (total - 1) / block * block;
-  const int64_t n = (k - 1) * block + total - tail;
+  const int64_t n = Spans(pages.data_ptr<int64_t>(), k, block, total).tokens();
   auto out = torch::empty({b, hk, g, n}, q.options());
   const float* qp = q.data_ptr<float>();
   const int64_t* pp = pages.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, b * hk, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t x = lo; x < hi; ++x) {
-      const Spans sp{pp + x * k, k, block, tail, total};
-      const float* kh = kc.head(x / hk, x % hk);
       const float* qx = qp + x * g * d;
       float* ox = op + x * g * n;
-      int64_t at = 0;
-      for (int64_t s = 0; s < k; ++s) {
-        const float* kt = kh + sp.start(s) * kc.st;
-        for (int64_t t = 0; t < sp.length(s); ++t, ++at, kt += kc.st) {
-          for (int64_t i = 0; i < g; ++i) {
-            const float* qi = qx + i * d;
-            float acc = 0.f;
+      const Spans sp(pp + x * k, k, block, total);
+      sp.each_token(kc.head(x / hk, x % hk), kc.st, [&](int64_t at, const float* kt) {
+        for (int64_t i = 0; i < g; ++i) {
+          const float* qi = qx + i * d;
+          float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-            for (int64_t e = 0; e < d; ++e) acc += qi[e] * kt[e];
-            ox[i * n + at] = acc;
-          }
+          for (int64_t e = 0; e < d; ++e) acc += qi[e] * kt[e];
+          ox[i * n + at] = acc;
         }
-      }
+      });
     }
   });
   return out;
@@ -87,30 +94,25 @@ torch::Tensor page_values(torch::Tensor p, torch::Tensor values, torch::Tensor p
   const Cache vc(values, "values");
   const int64_t b = p.size(0), hk = p.size(1), g = p.size(2), n = p.size(3), k = pages.size(2), d = vc.d;
   check_pages(pages, b, hk);
-  const int64_t tail = (total - 1) / block * block;
-  TORCH_CHECK(n == (k - 1) * block + total - tail && values.size(1) == hk, "values: shapes do not fit");
+  const int64_t* gp = pages.data_ptr<int64_t>();
+  TORCH_CHECK(n == Spans(gp, k, block, total).tokens() && values.size(1) == hk && total <= values.size(2),
+              "values: shapes do not fit");
   auto out = torch::zeros({b, hk, g, d}, p.options());
   const float* pp = p.data_ptr<float>();
-  const int64_t* gp = pages.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, b * hk, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t x = lo; x < hi; ++x) {
-      const Spans sp{gp + x * k, k, block, tail, total};
-      const float* vh = vc.head(x / hk, x % hk);
       const float* px = pp + x * g * n;
       float* __restrict__ ox = op + x * g * d;
-      int64_t at = 0;
-      for (int64_t s = 0; s < k; ++s) {
-        const float* __restrict__ vt = vh + sp.start(s) * vc.st;
-        for (int64_t t = 0; t < sp.length(s); ++t, ++at, vt += vc.st) {
-          for (int64_t i = 0; i < g; ++i) {
-            const float w = px[i * n + at];
-            float* __restrict__ oi = ox + i * d;
+      const Spans sp(gp + x * k, k, block, total);
+      sp.each_token(vc.head(x / hk, x % hk), vc.st, [&](int64_t at, const float* vt) {
+        for (int64_t i = 0; i < g; ++i) {
+          const float w = px[i * n + at];
+          float* __restrict__ oi = ox + i * d;
 #pragma omp simd
-            for (int64_t e = 0; e < d; ++e) oi[e] += w * vt[e];
-          }
+          for (int64_t e = 0; e < d; ++e) oi[e] += w * vt[e];
         }
-      }
+      });
     }
   });
   return out;
