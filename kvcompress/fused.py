@@ -1,4 +1,5 @@
-"""Decode attention that also yields the probabilities score-based eviction reads.
+"""Decode attention computed here instead of by the model's SDPA: with the probabilities score-based
+eviction reads (``decode_attention``), or from what a store holds (``attend_by_parts``).
 
 SDPA returns no probabilities, so a policy that ranks tokens by the attention they receive (H2O, TOVA,
 block eviction) would pay a second O(T) pass over the keys every decode step. For one query per row
@@ -33,3 +34,22 @@ def decode_attention(query, key, value, scaling: float) -> tuple[torch.Tensor, t
     out = torch.matmul(probs.to(value.dtype), value)  # (B, H_kv, g, D)
     out = out.reshape(b, 1, h, value.shape[-1])  # (B, 1, H, D)
     return out, probs.mean(dim=2, keepdim=True)
+
+
+def attend_by_parts(query, scaling: float, kv_heads: int, key_logits, value_output) -> torch.Tensor:
+    """One decode query per row, softmax in float32, from a store's own logits and value sums (a store that
+    attends from what it holds: low-rank latents, pages read in place).
+
+    Args:
+        query: (B, H, 1, D), H a multiple of ``kv_heads`` (H_kv).
+        key_logits: ``f(q)`` for q (B, H_kv, n, D) float32 (scaled): logits (B, G, g * n, T) over every
+            stored key, in the block layout (``G`` blocks of ``g`` KV heads).
+        value_output: ``f(probs)`` for probs (B, G, g * n, T): the output (B, H_kv, n, D) float32.
+
+    Returns:
+        (B, 1, H, D) in the query's dtype, as the models' attention functions return it.
+    """
+    b, h, _, d = query.shape
+    q = query.reshape(b, kv_heads, h // kv_heads, d).float() * scaling  # (B, H_kv, n, D)
+    out = value_output(torch.softmax(key_logits(q), dim=-1))  # (B, H_kv, n, D)
+    return out.reshape(b, 1, h, -1).to(query.dtype)

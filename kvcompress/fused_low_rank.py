@@ -71,21 +71,3 @@ def dense_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     b, blocks, m, t = probs.shape
     h_kv = values.shape[1]
     return probs.reshape(b, h_kv, blocks * m // h_kv, t) @ values.float()
-
-
-def attend(query, scaling: float, kv_heads: int, key_logits, value_output) -> torch.Tensor:
-    """One decode query per row over every stored token, softmax in float32.
-
-    Args:
-        query: (B, H, 1, D), H a multiple of ``kv_heads`` (H_kv).
-        key_logits: ``f(q)`` for q (B, H_kv, n, D) float32 (scaled): logits (B, G, g * n, T) over every
-            stored key, in the block layout (``G`` blocks of ``g`` KV heads).
-        value_output: ``f(probs)`` for probs (B, G, g * n, T): the output (B, H_kv, n, D) float32.
-
-    Returns:
-        (B, 1, H, D) in the query's dtype, as the models' attention functions return it.
-    """
-    b, h, _, d = query.shape
-    q = query.reshape(b, kv_heads, h // kv_heads, d).float() * scaling  # (B, H_kv, n, D)
-    out = value_output(torch.softmax(key_logits(q), dim=-1))  # (B, H_kv, n, D)
-    return out.reshape(b, 1, h, -1).to(query.dtype)

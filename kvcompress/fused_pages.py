@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvcompress import kernels
+from kvcompress.fused import attend_by_parts
 
 MODES = ("auto", "off")
 
@@ -25,10 +26,9 @@ def usable(mode: str, key: torch.Tensor) -> bool:
 def attend(query, scaling: float, key, value, pages: torch.Tensor, block: int, total: int) -> torch.Tensor:
     """Output (B, 1, H, D) of decode queries (B, H, 1, D) over ``pages`` (B, H_kv, k) of key/value
     (B, H_kv, T, D): whole pages ascending, the newest last, of which only ``[.., total)`` is stored."""
-    b, h, _, d = query.shape
-    h_kv = key.shape[1]
-    q = (query.reshape(b, h_kv, h // h_kv, d).float() * scaling).contiguous()  # (B, H_kv, g, D)
-    kernel = kernels.load("page_attention")
-    probs = torch.softmax(kernel.page_logits(q, key, pages.contiguous(), block, total), dim=-1)
-    out = kernel.page_values(probs, value, pages.contiguous(), block, total)  # (B, H_kv, g, D)
-    return out.reshape(b, 1, h, d).to(query.dtype)
+    kernel, pages = kernels.load("page_attention"), pages.contiguous()
+    return attend_by_parts(
+        query, scaling, key.shape[1],
+        lambda q: kernel.page_logits(q.contiguous(), key, pages, block, total),  # (B, H_kv, g, n)
+        lambda p: kernel.page_values(p.contiguous(), value, pages, block, total),  # (B, H_kv, g, D)
+    )  # fmt: skip

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvcompress import fused_low_rank
+from kvcompress.fused import attend_by_parts
 from kvcompress.profiling import TIMER
 from kvcompress.storage.buffers import storage_bytes
 from kvcompress.storage.residual import ResidualStore
@@ -94,7 +95,7 @@ class LowRankStore(ResidualStore):
     def attend_codes(self, query, scaling: float) -> torch.Tensor:
         """Attention output (B, 1, H, D) of a decode query (B, H, 1, D) over every stored token."""
         heads = self.residual[self.kinds[0]].shape[1]
-        return fused_low_rank.attend(query, scaling, heads, self.key_logits, self.value_output)
+        return attend_by_parts(query, scaling, heads, self.key_logits, self.value_output)
 
     def value_output(self, probs: torch.Tensor) -> torch.Tensor:
         """``sum_t p_ht v_t`` (B, H_kv, n, D) float32 for probs (B, G, g * n, T): the encoded tokens' in

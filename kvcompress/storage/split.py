@@ -9,6 +9,7 @@ from __future__ import annotations
 from functools import partial
 
 from kvcompress import fused_low_rank
+from kvcompress.fused import attend_by_parts
 from kvcompress.storage.base import Store
 
 
@@ -48,7 +49,7 @@ class SplitStore(Store):
         """Keys' logits from the key store's codes (``LowRankStore.key_logits``), values read dense."""
         values = self.value_store.read()[1]  # (B, H_kv, T, D)
         weigh = partial(fused_low_rank.dense_values, values=values)
-        return fused_low_rank.attend(query, scaling, values.shape[1], self.key_store.key_logits, weigh)
+        return attend_by_parts(query, scaling, values.shape[1], self.key_store.key_logits, weigh)
 
     def flush(self, valid=None) -> None:
         for store in self._both():
