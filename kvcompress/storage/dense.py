@@ -44,16 +44,10 @@ class DenseStore(Store):
         """Move the newest token into ``slot`` (B, 1 or H_kv, 1); refused where ``can_refill`` is False."""
         if not self.can_refill():
             return False
-        first = getattr(self, self.kinds[0])
-        b, h, t, _ = first.shape
-        rows = torch.arange(b, device=first.device).view(b, 1)
-        heads = torch.arange(h, device=first.device).view(1, h)
-        j = slot.expand(b, h, 1)[..., 0]  # (B, H_kv)
-        for name in self.kinds:
-            x = getattr(self, name)
-            with torch.no_grad(), torch.inference_mode(x.is_inference()):  # see refill
-                x[rows, heads, j] = x[:, :, t - 1].clone()  # (B, H_kv, D): the newest token fills the hole
-            setattr(self, name, x[:, :, : t - 1])
+        b, h = getattr(self, self.kinds[0]).shape[:2]
+        rows = torch.arange(b, device=slot.device).view(b, 1)
+        heads = torch.arange(h, device=slot.device).view(1, h)
+        self._fill_from_newest((rows, heads, slot.expand(b, h, 1)[..., 0]))  # slot (B, H_kv) per row and head
         return True
 
     def can_refill(self) -> bool:
@@ -65,13 +59,17 @@ class DenseStore(Store):
         return all(self.slots.owns(kind, getattr(self, kind)) for kind in self.kinds)
 
     def refill(self, slot: int) -> None:
-        """May run after the step's forward (a settled eviction): an inference tensor is written under
-        inference mode, any other outside it."""
+        self._fill_from_newest((slice(None), slice(None), slot))  # one token's copy, no index tensor
+
+    def _fill_from_newest(self, where: tuple) -> None:
+        """Write the newest token (B, H_kv, D) at ``where`` and drop it from the end. May run after the
+        step's forward (a settled eviction): an inference tensor is written under inference mode, any
+        other outside it."""
         t = self.length
         for name in self.kinds:
             x = getattr(self, name)
             with torch.no_grad(), torch.inference_mode(x.is_inference()):
-                x[:, :, slot] = x[:, :, t - 1]  # (B, H_kv, D): one token's copy, no index tensor
+                x[where] = x[:, :, t - 1].clone()  # a clone: ``where`` may be the newest slot itself
             setattr(self, name, x[:, :, : t - 1])
 
     def reorder(self, beam_idx) -> None:
