@@ -212,17 +212,24 @@ class PolicyLayer(CacheLayerMixin):
         storage cannot do it in place or padding is stored."""
         if self.valid is not None or not self.store.drop_one(slot):
             return False
-        for name in ("pos", *self.per_token):
+        self.move_newest(slot, ("pos", *self.per_token))
+        self.evicted += 1
+        return True
+
+    def move_newest(self, slot: torch.Tensor, names: tuple[str, ...]) -> None:
+        """The per-token tensors ``names`` (B, 1 or H_kv, T) follow a store's ``drop_one``: the newest entry
+        moves to ``slot`` (B, 1 or H_kv, 1) and the last one goes. In place, under the tensor's own inference
+        mode (an eviction may be settled after the forward)."""
+        for name in names:
             x = getattr(self, name)
             if x is None:
                 continue
-            if x.shape[1] != slot.shape[1]:
+            if x.shape[1] < slot.shape[1]:
                 x = x.expand(-1, slot.shape[1], -1).clone()  # per-row positions turn per head
             t = x.shape[-1]
-            x.scatter_(-1, slot.expand(-1, x.shape[1], -1), x[..., t - 1 :].clone())
+            with torch.inference_mode(x.is_inference()):
+                x.scatter_(-1, slot.expand(-1, x.shape[1], -1), x[..., t - 1 :].clone())
             setattr(self, name, x[..., : t - 1])
-        self.evicted += 1
-        return True
 
     def keep_spans(self, spans: list[tuple[int, int]]) -> None:
         """Keep only the token ranges ``[a, b)`` (the same slots in every row and head)."""
