@@ -66,8 +66,7 @@ class SlidingWindowLayer(PolicyLayer):
         rank = valid.cumsum(-1)
         sink = valid & (rank <= self.policy.sink_tokens)
         recent = t >= total - self.policy.window
-        older = t.float() / total  # among the rest prefer newer tokens
-        return valid * (1.0 + older) + recent * 2.0 * valid + sink * 4.0
+        return _rank(valid, sink, recent, t.float() / total)
 
     def _priority_by_position(self) -> torch.Tensor:
         """``_priority`` from positions (B, 1, T), in any stored order. The last ``window`` tokens consumed
@@ -79,29 +78,21 @@ class SlidingWindowLayer(PolicyLayer):
             real = torch.where(valid, pos.float(), torch.inf)
             k = min(self.policy.sink_tokens, pos.shape[-1])
             sink = valid & (real <= real.kthvalue(k, dim=-1, keepdim=True).values)
-        recent = pos >= self.seen - self.policy.window
-        older = pos.float() / self.seen
-        return valid * (1.0 + older) + recent * 2.0 * valid + sink * 4.0
+        return _rank(valid, sink, pos >= self.seen - self.policy.window, pos.float() / self.seen)
 
     def settle(self) -> None:
         """Carry out the last step's eviction (after that step's attention read the token)."""
         if self._pending is None:
             return
         slot, self._pending = self._pending, None
-        if not self.store.can_refill():  # a copied cache (snapshot, loaded): the same move by one copy
+        if not self.store.can_refill():  # buffers it does not own (a copy.deepcopy): the same move, copied
             self.store.keep(_moved_order(slot, self.store.length, self.device))
         elif isinstance(slot, int):
             self.store.refill(slot)
         else:
             self.store.drop_one(slot)  # (B, 1, 1): each row's own slot
-        if isinstance(slot, int):
-            return
-        for name in ("valid", "pos"):
-            x = getattr(self, name)
-            if x is not None:  # out of place: these may be inference tensors, read after the forward
-                t = x.shape[-1]
-                moved = x.scatter(-1, slot.expand(-1, x.shape[1], -1), x[..., t - 1 :])
-                setattr(self, name, moved[..., : t - 1])
+        if not isinstance(slot, int):
+            self.move_newest(slot, ("valid", "pos"))
 
     def _unrotate(self) -> None:
         """Put a rotated ring back in stored order (sinks, window oldest first, newer tokens): one copy,
@@ -151,6 +142,11 @@ class SlidingWindowLayer(PolicyLayer):
     def reset(self) -> None:
         super().reset()
         self._pending, self._oldest = None, 0
+
+
+def _rank(valid, sink, recent, older) -> torch.Tensor:
+    """Sinks > recent window > older real tokens (newer first: ``older`` in [0, 1)) > padding."""
+    return valid * (1.0 + older) + recent * 2.0 * valid + sink * 4.0
 
 
 def _moved_order(slot: int | torch.Tensor, total: int, device) -> torch.Tensor:
