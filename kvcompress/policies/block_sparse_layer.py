@@ -143,7 +143,7 @@ class BlockSparseLayer(PolicyLayer):
     def _count_unpadded(self, pages: torch.Tensor, key) -> None:
         """Counters of an unpadded step: whole pages, then the newest page's stored tokens."""
         (b, h_kv, total, _), bs = key.shape, self.policy.block_size
-        per_head = (pages.shape[-1] - 1) * bs + total - (total - 1) // bs * bs  # tokens read per row and head
+        per_head = (pages.shape[-1] - 1) * bs + total - self._newest_page_start(total)  # per row and head
         self._add_counts(key, pages.numel(), b * h_kv * self.page_max.shape[2], b * h_kv * per_head,
                          b * h_kv * total)  # fmt: skip
 
@@ -152,7 +152,7 @@ class BlockSparseLayer(PolicyLayer):
         then the newest page's stored tokens (a slice), so every token read is real and attention needs no
         mask (a mask would make SDPA repeat the KV heads for GQA)."""
         total, bs = key.shape[2], self.policy.block_size
-        tail = (total - 1) // bs * bs  # the newest page's first slot
+        tail = self._newest_page_start(total)
         if self.read_pos is not None:  # a probe watches: positions of the tokens read
             idx = self._tokens_unpadded(pages, total)
             self.read_pos = self.read_pos.expand(-1, idx.shape[1], -1).gather(-1, idx)
@@ -176,9 +176,12 @@ class BlockSparseLayer(PolicyLayer):
         last, no -1), then only the stored tokens of the newest one."""
         bs = self.policy.block_size
         whole = (pages[..., :-1, None] * bs + torch.arange(bs, device=self.device)).flatten(2)
-        newest = (total - 1) // bs
-        tail = torch.arange(newest * bs, total, device=self.device).expand(*pages.shape[:2], -1)
-        return torch.cat([whole, tail], dim=-1)
+        tail = torch.arange(self._newest_page_start(total), total, device=self.device)
+        return torch.cat([whole, tail.expand(*pages.shape[:2], -1)], dim=-1)
+
+    def _newest_page_start(self, total: int) -> int:
+        """First slot of the newest page when ``total`` tokens are stored without padding (shift 0)."""
+        return (total - 1) // self.policy.block_size * self.policy.block_size
 
     def _count(self, pages: torch.Tensor, ok: torch.Tensor, key: torch.Tensor) -> None:
         """Add a padded step's reads to the counters, as device tensors (read on the host by ``stats``)."""
