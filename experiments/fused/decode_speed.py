@@ -26,6 +26,7 @@ import torch
 
 from kvcompress import attention, build_cache
 from kvcompress.context_pass import after_prefill
+from kvcompress.metrics.memory import read_summary
 from kvcompress.models import load_model
 from kvcompress.profiling import timing
 from kvcompress.results import write_text_atomic
@@ -121,6 +122,7 @@ def summarise(samples: dict, states: dict) -> dict:
             "vs_full_cpu_min": min(cpu), "vs_full_cpu_max": max(cpu),
             "policy_overhead_median": statistics.median(over), "prefill_s": states[name]["prefill_s"],
             "cache_bytes": states[name]["bytes"], "prefill_replayed": states[name]["replayed"],
+            "reads": read_summary(states[name]["cache"].stats()),  # block_sparse: pages read in place?
             "per_round": runs,
         }  # fmt: skip
     return out

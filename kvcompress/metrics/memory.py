@@ -47,6 +47,9 @@ def read_summary(stats: list[dict]) -> dict:
         "full_read_bytes_per_step": total["kv_bytes_full"] / steps,
         "read_bytes_ratio": read / max(total["kv_bytes_full"], 1),
         "pages_read_fraction": pages,
+        # the share of those steps whose pages were read in place, not gathered (block_sparse's kernel)
+        "in_place_fraction": sum(s.get("in_place_steps", 0) for s in counted)
+        / sum(s["decode_steps"] for s in counted),
     }
 
 

@@ -32,6 +32,7 @@ class BlockSparseLayer(PolicyLayer):
         "kv_bytes_read",
         "meta_bytes_read",
         "kv_bytes_full",
+        "in_place_steps",  # decode steps whose pages were read where they lie (``fused_pages``)
     )
 
     per_row = ("page_min", "page_max")
@@ -163,6 +164,7 @@ class BlockSparseLayer(PolicyLayer):
     def attend_codes(self, query, scaling: float) -> torch.Tensor:
         """The step's output (B, 1, H, D), its pages read in place (``kvcompress.fused_pages``)."""
         (pages, key, value), self._reads, self.deferred = self._reads, None, False
+        self.counters["in_place_steps"] += 1
         return fused_pages.attend(query, scaling, key, value, pages, self.policy.block_size, key.shape[2])
 
     def read_deferred(self) -> tuple[torch.Tensor, torch.Tensor]:

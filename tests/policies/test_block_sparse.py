@@ -152,6 +152,7 @@ def test_decode_with_pages_read_in_place_keeps_the_logits(llama, tokens, monkeyp
     for mode in ("auto", "off"):
         cache = build_cache("block_sparse", llama, block_size=4, top_k_blocks=3, fused_attention=mode)
         logits[mode] = stream_logits(llama, tokens, cache, chunk=1)
+        assert read_summary(cache.stats())["in_place_fraction"] == (1.0 if mode == "auto" else 0.0)
     assert len(calls) == 48 * llama.config.num_hidden_layers  # every one-token step reads pages in place
     torch.testing.assert_close(logits["auto"], logits["off"], atol=1e-5, rtol=1e-5)
 
