@@ -211,3 +211,24 @@ def test_full_reference_bytes_of_a_batch_are_the_batch_times_one_row(family):
         model(torch.zeros(3, 40, dtype=torch.long), cache=cache, use_cache=True, logits_to_keep=1)
     assert full_cache_bytes(model, 40, batch=3) == cache.memory_bytes()
     assert full_cache_bytes(model, 40) * 3 == cache.memory_bytes()
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_window_on_a_models_windowed_layers_keeps_sinks_and_the_newest_by_position(family):
+    """With ``apply_to: all`` the model's windowed layers track positions, so the window decides by
+    position (``_priority_by_position``), not stored order: every layer keeps the sinks and the newest."""
+    from zoo import make_family
+
+    model = make_family(family)
+    cache = build_cache(make_policy("sliding_window", sink_tokens=2, window=10, apply_to="all"), model)
+    with torch.inference_mode():
+        stream_logits(
+            model, torch.randint(2, 95, (1, 48), generator=torch.Generator().manual_seed(7)), cache, 1
+        )
+    want = [0, 1, *range(38, 48)]
+    tracked = [layer for layer in cache.layers if layer.pos is not None]
+    assert tracked  # the windowed layers (and only they track positions here)
+    for layer in cache.layers:
+        assert layer.stored_length() == 12
+        if layer.pos is not None:
+            assert layer.positions()[0, 0].sort().values.tolist() == want
