@@ -31,6 +31,9 @@ if [[ $what == all || $what == evict ]]; then
   F=experiments/fused
   [ -f $F/decode_4k_evict.json ] || $PY $F/decode_speed.py $F/decode_4k_evict.json 4096 3 4 full snapkv_0.5 \
     h2o_0.5 tova_0.5 pyramidkv_0.5 block_evict_0.5 expected_attention_0.5 kvzip_0.5 sliding_window_2048
+  # again on a quiet machine with twice the rounds, the window evicting in place (a ring) since
+  [ -f $F/decode_4k_evict_quiet.json ] || $PY $F/decode_speed.py $F/decode_4k_evict_quiet.json 4096 6 4 full \
+    snapkv_0.5 h2o_0.5 tova_0.5 pyramidkv_0.5 block_evict_0.5 expected_attention_0.5 kvzip_0.5 sliding_window_2048
 fi
 if [[ $what == all || $what == lm_eval ]]; then
   # lm-eval kvc_essays_ppl, --limit 8, chunk_size 1 (exact decode mode): batch 8 against batch 1
