@@ -10,6 +10,10 @@ KV head ``i``:
   the decoder folds into the query, and the logits are one (R)-wide dot product per token;
 - pre-RoPE keys: RoPE rotates each key by its own position, so ``dec_i`` cannot fold into one query. The
   keys are reconstructed (one (T, R) x (R, g D) product) and rotated, but only they: the values stay latent.
+  On a CPU the C++ kernel ``kernels/rope_latent.cpp`` (``rope_logits``) rebuilds a few keys at a time in
+  registers, rotates them with the shared cos/sin table (``storage/rope_table.py``) and dots them with the
+  GQA group's queries: no (T, D) copy is written. Elsewhere, or for a rotation the kernel does not pair
+  alike, the keys are rebuilt with tensors and rotated by the model's own module.
 
 With int8 coefficients the per-token scales fold into the logits and into the probabilities. The exact
 residual window joins the same float32 softmax. Exact up to float rounding (the reconstruct-then-SDPA path
@@ -20,6 +24,8 @@ the output projection offline; here both maps stay in the cache, so any model wo
 from __future__ import annotations
 
 import torch
+
+from kvcompress import kernels
 
 MODES = ("auto", "on", "off")
 
@@ -71,3 +77,23 @@ def dense_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     b, blocks, m, t = probs.shape
     h_kv = values.shape[1]
     return probs.reshape(b, h_kv, blocks * m // h_kv, t) @ values.float()
+
+
+def rope_logits(q: torch.Tensor, parts: tuple, decoder, positions, rope, seen: int):
+    """Logits (B, G, g * n, Te) of scaled queries q (B, H_kv, n, D) float32 over pre-RoPE latents ``parts``
+    rotated at ``positions`` (B, G, Te) int32 (``seen``: tokens appended so far, the table's first length),
+    by the C++ kernel; None where it cannot serve (not a CPU, not built, another pairing: rebuild instead)."""
+    if q.device.type != "cpu" or not rope.fits_kernel(q.shape[-1]):
+        return None
+    kernel = kernels.load("rope_latent")
+    if kernel is None:
+        return None
+    coef, scale = _latent(parts)
+    dect = decoder.mT.contiguous()  # (G, R, g * D): a block's components as rows, 18k floats a layer
+    needed = seen
+    while needed > 0:  # a position past the table (given by the caller, beyond the tokens seen): extend it
+        cos, sin = rope.table.covering(needed)
+        logits, needed = kernel.rope_logits(q.contiguous(), coef, dect, positions, cos, sin)
+    if needed < 0:  # a negative position has no table row
+        return None
+    return logits if scale is None else logits * scale.mT

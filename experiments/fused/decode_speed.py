@@ -123,6 +123,8 @@ def summarise(samples: dict, states: dict) -> dict:
             "policy_overhead_median": statistics.median(over), "prefill_s": states[name]["prefill_s"],
             "cache_bytes": states[name]["bytes"], "prefill_replayed": states[name]["replayed"],
             "reads": read_summary(states[name]["cache"].stats()),  # block_sparse: pages read in place?
+            # pre-RoPE low_rank: layer-steps whose logits the C++ kernel computed (0: rebuilt by tensors)
+            "rope_kernel_steps": sum(s.get("rope_kernel_steps", 0) for s in states[name]["cache"].stats()),
             "per_round": runs,
         }  # fmt: skip
     return out

@@ -13,6 +13,10 @@ the reason where no compiler is available, and callers fall back to the tensor f
 ``page_attention.cpp`` computes Quest's decode attention over the chosen pages of a float32 cache where they
 lie (Tang et al., arXiv 2406.10774): logits page by page, then, after torch's softmax, the values' sum; no
 gathered copy of the pages (``load("page_attention")``).
+
+``rope_latent.cpp`` computes decode logits over pre-RoPE low-rank keys (Palu, arXiv 2407.21118): a few keys
+at a time are rebuilt from their latents in registers, rotated at their positions from a shared cos/sin
+table and dotted with the GQA group's queries (``load("rope_latent")``, ``kvcompress.fused_low_rank``).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import sys
 import warnings
 from pathlib import Path
 
-KERNELS = ("quant_attention", "page_attention")
+KERNELS = ("quant_attention", "page_attention", "rope_latent")
 _BUILT: dict[str, dict[str, object]] = {}
 
 
@@ -35,7 +39,8 @@ def _machine_key(source: Path) -> str:
         flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
     except OSError:
         pass
-    blob = source.read_bytes() + platform.machine().encode() + flags.encode()
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # included by the sources
+    blob = source.read_bytes() + headers + platform.machine().encode() + flags.encode()
     return hashlib.sha1(blob).hexdigest()[:12]
 
 

@@ -5,9 +5,7 @@
 
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vector.h"
 
 namespace {
 
@@ -49,23 +47,6 @@ inline void unpack_wide(const uint8_t* bytes, int64_t w, int bits, float* c) {
   }
 }
 
-// r[t] = sum of the 16 lanes of a[t], for 16 registers at once (a transpose that adds as it goes).
-inline __m512 reduce16(__m512* a) {
-  __m512 b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i)  // 256-bit halves: [a(2i) lo+hi, a(2i+1) lo+hi]
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)  // 128-bit quarters: [a(4i), a(4i+1), a(4i+2), a(4i+3)] 4 lanes each
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)  // within each quarter: pairs of lanes
-    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
-                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
-  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
-  // lane 4q + j of e holds token 4j + q
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(order, e);
-}
 #endif
 
 void check(const torch::Tensor& t, at::ScalarType dtype, const char* name) {
@@ -122,16 +103,8 @@ inline void values_scalar(const uint8_t* codes, const float* scale, const float*
 inline void keys_wide(const uint8_t* bytes, int64_t w, int bits, int64_t d, int64_t g, const float* qs,
                       const float* zc, float* block, float* out, int64_t te) {
   for (int64_t t = 0; t < LANES; ++t) unpack_wide(bytes + t * w, w, bits, block + t * d);
-  for (int64_t i = 0; i < g; ++i) {
-    __m512 acc[LANES];
-    for (int64_t t = 0; t < LANES; ++t) acc[t] = _mm512_setzero_ps();
-    for (int64_t e = 0; e < d; e += LANES) {
-      const __m512 q = _mm512_loadu_ps(qs + i * d + e);
-      for (int64_t t = 0; t < LANES; ++t)
-        acc[t] = _mm512_fmadd_ps(q, _mm512_loadu_ps(block + t * d + e), acc[t]);
-    }
-    _mm512_storeu_ps(out + i * te, _mm512_add_ps(reduce16(acc), _mm512_set1_ps(zc[i])));
-  }
+  for (int64_t i = 0; i < g; ++i)
+    _mm512_storeu_ps(out + i * te, _mm512_add_ps(kvc::dots16(qs + i * d, block, d), _mm512_set1_ps(zc[i])));
 }
 
 // One head's value sum over a block of 16 unpacked tokens, R = D/16 registers (a template, so the running

@@ -54,7 +54,8 @@ class LowRankStorage(LowRankChecks, Storage):
         tokenizer: for the calibration text: a tokenizer, a model id, a folder or a ``.gguf`` path (null: the
             model's own, from ``model.name_or_path``).
         fused_attention: a decode query attends in the latent space (``kvcompress.fused_low_rank``): values
-            always, keys too unless pre-RoPE (those are rebuilt). ``auto``/``on``: wherever the step allows
+            always, keys too unless pre-RoPE (those are rebuilt, on a CPU inside a C++ kernel that rotates
+            and dots them in registers, with no (T, D) copy). ``auto``/``on``: wherever the step allows
             (one unpadded decode query on a full-attention layer under the ``full`` selector, plain softmax
             attention), reconstructing otherwise (the same numbers); ``on`` refuses a selector that never
             allows it. ``off``: reconstruct keys and values for the model's own attention.

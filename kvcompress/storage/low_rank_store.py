@@ -54,6 +54,7 @@ class LowRankStore(ResidualStore):
         self.rope = rope if "keys" in kinds else None
         self.needs_positions = config.keys == "pre_rope" and "keys" in kinds  # also on NoPE layers: bytes
         self.dtype = None  # of the model's keys: coefficients and scales are stored in it
+        self.kernel_steps = 0  # decode steps whose pre-RoPE logits the C++ kernel computed
 
     def append(self, keys, values, positions=None) -> None:
         first = keys if "keys" in self.kinds else values
@@ -111,17 +112,33 @@ class LowRankStore(ResidualStore):
         parts, res, dec = self.encoded["keys"], self.residual["keys"], self.decoder["keys"]
         if self.rope is None:  # the decoder folds into the query
             encoded = fused_low_rank.latent_logits(fused_low_rank.fold_query(q, dec), parts)
-        else:  # pre-RoPE: each key turns by its own position, so the keys are rebuilt (policy overhead)
-            with TIMER.measure():
-                keys = self.reconstruct("keys", parts, res.shape[1], self._positions(0, self.encoded_length))
-            encoded = fused_low_rank.residual_logits(q, keys, dec.shape[0])
+        else:  # pre-RoPE: each key turns by its own position, so the keys are rebuilt
+            encoded = self._rope_logits(q, parts, dec)
         return torch.cat([encoded, fused_low_rank.residual_logits(q, res, dec.shape[0])], dim=-1)
+
+    def _rope_logits(self, q: torch.Tensor, parts: tuple, dec: torch.Tensor) -> torch.Tensor:
+        """Logits over the encoded pre-RoPE keys: rebuilt and rotated inside the C++ kernel where it serves
+        (counted as attention, as the quant kernel's unpacking is), else rebuilt by tensors (counted as
+        policy overhead)."""
+        te, blocks = self.encoded_length, dec.shape[0]
+        positions = self._positions(0, te)  # (B, H_kv, Te): a block's heads share their tokens' positions
+        b, h = positions.shape[:2]
+        block_positions = positions.view(b, blocks, h // blocks, te)[:, :, 0]  # (B, G, Te)
+        logits = fused_low_rank.rope_logits(q, parts, dec, block_positions, self.rope, self.appended)
+        if logits is not None:
+            self.kernel_steps += 1
+            return logits
+        with TIMER.measure():
+            keys = self.reconstruct("keys", parts, h, positions)
+        return fused_low_rank.residual_logits(q, keys, blocks)
 
     def flush_count(self, residual: int) -> int:
         return residual - self.config.residual_length
 
     def fixed_tensors(self):
-        return list({id(t): t for t in [*self.encoder.values(), *self.decoder.values()]}.values())
+        """The maps, and the rotary table once built (one per model rotation, so counted once a cache)."""
+        table = self.rope.table.tensors() if self.rope is not None else []
+        return list({id(t): t for t in [*self.encoder.values(), *self.decoder.values(), *table]}.values())
 
     # -- readable names (tests, stats) ------------------------------------------------------
     def _part(self, kind: str, i: int):
@@ -148,6 +165,7 @@ class LowRankStore(ResidualStore):
         return {
             **out,
             "tokens_projected": self.encoded_length,
+            "rope_kernel_steps": self.kernel_steps,
             "basis_bytes": storage_bytes(self.fixed_tensors()),
             "position_bytes": storage_bytes([self.positions]),
             "calibration_source": cal["source"],

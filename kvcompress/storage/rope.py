@@ -6,6 +6,9 @@ ShadowKV, arXiv 2410.21465). The model applies ``k * cos + P(k) * sin`` with an 
 (half split, interleaved, partial rotary dims) and possibly scaled ``cos``/``sin`` (YaRN's attention
 factor). Calling the model's own ``apply_rotary_pos_emb`` with ``(cos, -sin) / (cos^2 + sin^2)`` inverts it
 exactly whatever the pairing, partial dims or scaling (Llama-3, linear, YaRN), so nothing is re-implemented.
+On a CPU, where the model pairs channels by halves (checked on random keys, ``rope_table.matches``), cos/sin
+come from one table by position shared by the layers (``rope_table.RopeTable``) instead of the module: the
+same values, and the same products and sums as the model's function.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ import inspect
 import sys
 
 import torch
+
+from kvcompress.storage import rope_table
+from kvcompress.storage.rope_table import RopeTable
 
 # RoPE types whose frequencies depend on the longest sequence seen so far: a key rotated earlier could not
 # be un-rotated with today's frequencies (and the rotary module changes state when called).
@@ -25,8 +31,19 @@ class Rope:
     (B, h, n), in float32; ``h`` divides H_kv and each of its rows serves H_kv / h consecutive heads (a block
     of heads sharing one latent keeps the same tokens: their rotation is computed once)."""
 
-    def __init__(self, rotary, apply, layer_type: str | None = None):
+    def __init__(self, rotary, apply, layer_type: str | None = None, table: RopeTable | None = None):
         self.rotary, self.apply, self.layer_type = rotary, apply, layer_type
+        self.table = table or RopeTable(self._cos_sin)  # cos/sin by position, shared by alike layers
+        self._fits: dict[int, bool] = {}  # head_dim -> whether the fused kernel's rotation is the model's
+
+    def __deepcopy__(self, memo):
+        return self  # the model's rotation and its table: constants, shared by a cache and its snapshots
+
+    def fits_kernel(self, head_dim: int) -> bool:
+        """Whether the fused kernel's half-split rotation equals the model's for ``head_dim`` channels."""
+        if head_dim not in self._fits:
+            self._fits[head_dim] = rope_table.matches(self, self.table, head_dim)
+        return self._fits[head_dim]
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (B * h, n, rotary dims) in float32."""
@@ -43,16 +60,49 @@ class Rope:
         # the model's function rotates a query too: an empty one costs nothing
         return self.apply(flat[:, :0], flat, cos, sin)[1].view(b, h, n, d)
 
+    def _rows(self, positions: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos, sin (B * h, n, rotary dims / 2) from the shared table, or None where it does not serve (not
+        a CPU, another pairing, a position it does not hold yet): the model's module is asked then."""
+        if positions.device.type != "cpu" or not self.fits_kernel(width):
+            return None
+        flat = positions.reshape(-1, positions.shape[-1]).long()
+        flat = torch.where(flat < 0, torch.iinfo(torch.int64).max, flat)  # no row: out of range, not wrapped
+        cos, sin = self.table.covering(1)
+        try:
+            return cos[flat], sin[flat]
+        except IndexError:  # past the table: the decode kernel extends it as the sequence grows
+            return None
+
+    def _turn(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool) -> torch.Tensor:
+        rows = self._rows(positions, x.shape[-1])
+        if rows is None:
+            cos, sin = self._cos_sin(positions)
+            apply = self._apply
+        else:  # the same products and sums as the model's function (half-split pairs, checked)
+            cos, sin = rows
+            apply = self._apply_halves
+        if inverse:
+            norm = cos * cos + sin * sin  # 1 for plain RoPE; YaRN scales both by its attention factor
+            cos, sin = cos / norm, -sin / norm
+        return apply(x, cos, sin)
+
+    def _apply_halves(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, h, n, d = x.shape
+        rows = cos.shape[0]
+        flat = x.float().reshape(rows, b * h // rows, n, d)
+        return rope_table.rotate_halves(flat, cos[:, None], sin[:, None]).view(b, h, n, d)
+
+    def rotate_by_module(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``rotate`` through the model's own rotary module and function (the table's reference)."""
+        return self._apply(x, *self._cos_sin(positions))
+
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Post-RoPE keys (float32) of pre-RoPE keys ``x`` at ``positions``."""
-        cos, sin = self._cos_sin(positions)
-        return self._apply(x, cos, sin)
+        return self._turn(x, positions, inverse=False)
 
     def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Pre-RoPE keys (float32) of post-RoPE keys ``x`` at ``positions``: the inverse of ``rotate``."""
-        cos, sin = self._cos_sin(positions)
-        norm = cos * cos + sin * sin  # 1 for plain RoPE; YaRN scales both by its attention factor
-        return self._apply(x, cos / norm, -sin / norm)
+        return self._turn(x, positions, inverse=True)
 
 
 def _decoder(model):
@@ -93,7 +143,7 @@ def model_ropes(model, num_layers: int) -> list[Rope | None]:
         )
     takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
     layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None)
-    ropes = []
+    ropes, tables = [], {}
     for i in range(num_layers):
         attn = attention.get(i)
         apply = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None) if attn else None
@@ -102,5 +152,8 @@ def model_ropes(model, num_layers: int) -> list[Rope | None]:
             continue
         if apply is None:
             raise ValueError(f"{kind}: layer {i} has no apply_rotary_pos_emb beside its attention module")
-        ropes.append(Rope(rotary, apply, layer_types[i] if takes_type and layer_types else None))
+        layer_type = layer_types[i] if takes_type and layer_types else None
+        rope = Rope(rotary, apply, layer_type, tables.get(layer_type))
+        tables.setdefault(layer_type, rope.table)  # one table per rotation: layers of a type share it
+        ropes.append(rope)
     return ropes

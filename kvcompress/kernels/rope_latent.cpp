@@ -1,0 +1,207 @@
+// Decode logits over pre-RoPE low-rank keys: each key is rebuilt from its latent, rotated at its own
+// position and dotted with the GQA group's queries while it sits in registers and L1, so no (T, D) copy of
+// the keys, of their rotation or of the cos/sin of every position is written. Palu (arXiv 2407.21118) and
+// ShadowKV (arXiv 2410.21465) fuse the same rebuild-and-rotate on a GPU; the algebra, the half-split pairing
+// (RoFormer, arXiv 2104.09864) and the checks that the model uses it are in kvcompress/fused_low_rank.py.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <tuple>
+#include <vector>
+
+#include "vector.h"
+
+namespace {
+
+constexpr int64_t CHUNK = 256;  // tokens per parallel task
+constexpr int64_t MAX_TILE = 16;  // tokens rebuilt, rotated and dotted together (one reduction per query)
+
+// The inputs of one call, checked, as raw pointers and strides.
+struct Inputs {
+  const float *q, *coef, *dect, *cos, *sin;
+  const int32_t* pos;
+  int64_t b, hk, n, d, blocks, g, t, r, rows, half;
+  int64_t cb, cg, ct;  // coefficient strides (batch, block, token); components are contiguous
+  int64_t pb, pg;  // position strides (batch, block); tokens are contiguous
+
+  Inputs(const torch::Tensor& q_, const torch::Tensor& coef_, const torch::Tensor& dect_,
+         const torch::Tensor& pos_, const torch::Tensor& cos_, const torch::Tensor& sin_) {
+    TORCH_CHECK(q_.scalar_type() == at::kFloat && q_.dim() == 4 && q_.is_contiguous() && q_.device().is_cpu(),
+                "q: expected a contiguous float32 CPU tensor (B, H_kv, n, D)");
+    TORCH_CHECK(coef_.scalar_type() == at::kFloat && coef_.dim() == 4 && coef_.stride(3) == 1,
+                "coef: expected float32 (B, G, T, R) with contiguous components");
+    TORCH_CHECK(dect_.scalar_type() == at::kFloat && dect_.dim() == 3 && dect_.is_contiguous(),
+                "dect: expected contiguous float32 (G, R, g * D)");
+    TORCH_CHECK(pos_.scalar_type() == at::kInt && pos_.dim() == 3 && pos_.stride(2) == 1,
+                "positions: expected int32 (B, G, T) with contiguous tokens");
+    TORCH_CHECK(cos_.scalar_type() == at::kFloat && cos_.dim() == 2 && cos_.is_contiguous() &&
+                    sin_.sizes() == cos_.sizes() && sin_.scalar_type() == at::kFloat && sin_.is_contiguous(),
+                "cos, sin: expected contiguous float32 (P, rotary_dim / 2) tables of one shape");
+    b = q_.size(0), hk = q_.size(1), n = q_.size(2), d = q_.size(3);
+    blocks = coef_.size(1), t = coef_.size(2), r = coef_.size(3), rows = cos_.size(0), half = cos_.size(1);
+    TORCH_CHECK(blocks > 0 && hk % blocks == 0 && coef_.size(0) == b, "coef: blocks must divide H_kv");
+    g = hk / blocks;
+    TORCH_CHECK(dect_.size(0) == blocks && dect_.size(1) == r && dect_.size(2) == g * d,
+                "dect: expected (G, R, g * D) for the coefficients' G and R");
+    TORCH_CHECK(pos_.size(0) == b && pos_.size(1) == blocks && pos_.size(2) == t, "positions: expected (B, G, T)");
+    TORCH_CHECK(2 * half <= d, "cos, sin: rotary_dim / 2 columns, at most D / 2");
+    q = q_.data_ptr<float>(), coef = coef_.data_ptr<float>(), dect = dect_.data_ptr<float>();
+    cos = cos_.data_ptr<float>(), sin = sin_.data_ptr<float>(), pos = pos_.data_ptr<int32_t>();
+    cb = coef_.stride(0), cg = coef_.stride(1), ct = coef_.stride(2), pb = pos_.stride(0), pg = pos_.stride(1);
+  }
+};
+
+// keys[k][0..D) = sum_j c[k][j] w[j][0..D) for k < m tokens; w rows are ``ld`` floats apart.
+inline void rebuild_scalar(const float* c, int64_t ct, int64_t m, int64_t r, const float* w, int64_t ld,
+                           int64_t d, float* keys) {
+  std::fill(keys, keys + m * d, 0.f);
+  for (int64_t k = 0; k < m; ++k) {
+    float* out = keys + k * d;
+    for (int64_t j = 0; j < r; ++j) {
+      const float cj = c[k * ct + j];
+      const float* wj = w + j * ld;
+#pragma omp simd
+      for (int64_t e = 0; e < d; ++e) out[e] += cj * wj[e];
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// rebuild_scalar() for D = 16 * NR: TILE tokens' accumulators (TILE * NR <= 16 registers) stay in registers
+// over the R components; a token past m repeats the last one's coefficients and is not stored.
+template <int NR>
+void rebuild_wide(const float* c, int64_t ct, int64_t m, int64_t r, const float* w, int64_t ld, float* keys) {
+  constexpr int TILE = 16 / NR;
+  for (int64_t k0 = 0; k0 < m; k0 += TILE) {
+    __m512 acc[TILE][NR];
+    const float* row[TILE];
+    for (int k = 0; k < TILE; ++k) {
+      row[k] = c + std::min<int64_t>(k0 + k, m - 1) * ct;
+      for (int x = 0; x < NR; ++x) acc[k][x] = _mm512_setzero_ps();
+    }
+    for (int64_t j = 0; j < r; ++j) {
+      __m512 wj[NR];
+      for (int x = 0; x < NR; ++x) wj[x] = _mm512_loadu_ps(w + j * ld + 16 * x);
+      for (int k = 0; k < TILE; ++k) {
+        const __m512 cj = _mm512_set1_ps(row[k][j]);
+        for (int x = 0; x < NR; ++x) acc[k][x] = _mm512_fmadd_ps(cj, wj[x], acc[k][x]);
+      }
+    }
+    for (int k = 0; k < TILE && k0 + k < m; ++k)
+      for (int x = 0; x < NR; ++x) _mm512_storeu_ps(keys + (k0 + k) * 16 * NR + 16 * x, acc[k][x]);
+  }
+}
+
+// Whether rebuild_wide() serves this head_dim, and then runs it.
+inline bool rebuild_fast(const float* c, int64_t ct, int64_t m, int64_t r, const float* w, int64_t ld,
+                         int64_t d, float* keys) {
+  switch (d) {
+    case 16: rebuild_wide<1>(c, ct, m, r, w, ld, keys); return true;
+    case 32: rebuild_wide<2>(c, ct, m, r, w, ld, keys); return true;
+    case 64: rebuild_wide<4>(c, ct, m, r, w, ld, keys); return true;
+    case 96: rebuild_wide<6>(c, ct, m, r, w, ld, keys); return true;
+    case 128: rebuild_wide<8>(c, ct, m, r, w, ld, keys); return true;
+    default: return false;
+  }
+}
+#else
+inline bool rebuild_fast(const float*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*) {
+  return false;
+}
+#endif
+
+// Rotates m keys (rows of D floats) in place at their positions' cos/sin rows: half-split pairs (e, e + half);
+// channels past 2 * half are not rotated.
+inline void rotate_rows(float* keys, int64_t m, const int32_t* pos, const Inputs& in) {
+  for (int64_t k = 0; k < m; ++k) {
+    const float* c = in.cos + pos[k] * in.half;
+    const float* s = in.sin + pos[k] * in.half;
+    float* a = keys + k * in.d;
+    float* b = a + in.half;
+#pragma omp simd
+    for (int64_t e = 0; e < in.half; ++e) {
+      const float ae = a[e], be = b[e];
+      a[e] = ae * c[e] - be * s[e];
+      b[e] = be * c[e] + ae * s[e];
+    }
+  }
+}
+
+// out[i * T + k] = q_i . keys[k] for the n queries (rows of D floats) and the m keys.
+inline void dot_rows(const float* keys, int64_t m, const float* q, const Inputs& in, float* out) {
+#if defined(__AVX512F__)
+  if (m == MAX_TILE && in.d % 16 == 0) {  // one transposing reduction per query, no sum per token
+    for (int64_t i = 0; i < in.n; ++i) _mm512_storeu_ps(out + i * in.t, kvc::dots16(q + i * in.d, keys, in.d));
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < in.n; ++i) {
+    const float* qi = q + i * in.d;
+    for (int64_t k = 0; k < m; ++k) {
+      const float* key = keys + k * in.d;
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t e = 0; e < in.d; ++e) acc += qi[e] * key[e];
+      out[i * in.t + k] = acc;
+    }
+  }
+}
+
+// Logits of one block's g heads x n queries over tokens [t0, t1) of batch row x.
+void block_span(const Inputs& in, int64_t x, int64_t blk, int64_t t0, int64_t t1, float* out, float* keys) {
+  const float* c = in.coef + x * in.cb + blk * in.cg;
+  const int32_t* pos = in.pos + x * in.pb + blk * in.pg;
+  const int64_t gd = in.g * in.d;
+  for (int64_t k0 = t0; k0 < t1; k0 += MAX_TILE) {
+    const int64_t m = std::min(MAX_TILE, t1 - k0);
+    for (int64_t h = 0; h < in.g; ++h) {
+      const float* w = in.dect + blk * in.r * gd + h * in.d;  // head h's columns of (R, g * D)
+      if (!rebuild_fast(c + k0 * in.ct, in.ct, m, in.r, w, gd, in.d, keys))
+        rebuild_scalar(c + k0 * in.ct, in.ct, m, in.r, w, gd, in.d, keys);
+      const float* q = in.q + ((x * in.hk) + blk * in.g + h) * in.n * in.d;  // (n, D) of KV head h
+      float* o = out + ((x * in.blocks + blk) * in.g * in.n + h * in.n) * in.t;  // rows h * n.. of g * n
+      rotate_rows(keys, m, pos + k0, in);
+      dot_rows(keys, m, q, in, o + k0);
+    }
+  }
+}
+
+}  // namespace
+
+// q (B, H_kv, n, D) float32 contiguous (scaled); coef (B, G, T, R) float32 latents of pre-RoPE keys;
+// dect (G, R, g * D): each block's decoder, transposed; positions (B, G, T) int32; cos, sin (P, half) the
+// rotary tables by position. Returns the logits (B, G, g * n, T) and 0; or an empty tensor and the table
+// length a position needs when one is past P (the caller extends the tables and calls again), or -1 when a
+// position is negative (no table row: the caller rotates with the model's own module instead).
+std::tuple<torch::Tensor, int64_t> rope_logits(torch::Tensor q, torch::Tensor coef, torch::Tensor dect,
+                                               torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
+  const Inputs in(q, coef, dect, positions, cos, sin);
+  int64_t needed = 0;
+  for (int64_t x = 0; x < in.b; ++x)
+    for (int64_t blk = 0; blk < in.blocks; ++blk) {
+      const int32_t* p = in.pos + x * in.pb + blk * in.pg;
+      for (int64_t k = 0; k < in.t; ++k) {
+        if (p[k] < 0) return {torch::empty({0}, q.options()), -1};
+        needed = std::max<int64_t>(needed, p[k] + 1);
+      }
+    }
+  if (needed > in.rows) return {torch::empty({0}, q.options()), needed};
+  auto out = torch::empty({in.b, in.blocks, in.g * in.n, in.t}, q.options());
+  float* op = out.data_ptr<float>();
+  const int64_t chunks = (in.t + CHUNK - 1) / CHUNK;
+  at::parallel_for(0, in.b * in.blocks * chunks, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> keys(MAX_TILE * in.d);
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t chunk = task / (in.b * in.blocks), xb = task % (in.b * in.blocks);  // chunk-major: a
+      // chunk's cos/sin rows are read from memory once, then from L2 by the other blocks of heads
+      const int64_t t0 = chunk * CHUNK, t1 = std::min(in.t, t0 + CHUNK);
+      block_span(in, xb / in.blocks, xb % in.blocks, t0, t1, op, keys.data());
+    }
+  });
+  return {out, 0};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rope_logits", &rope_logits, "decode logits over pre-RoPE low-rank keys, rebuilt and rotated in place");
+}

@@ -1,0 +1,74 @@
+"""The rotary cos/sin of every position, computed once and shared by the layers that rotate alike.
+
+Rotating rebuilt pre-RoPE keys every decode step used to ask the model's rotary module for the cos/sin of
+every stored position, in each layer (about 1 ms a layer at 4k tokens on a CPU, as much as attention).
+A ``RopeTable`` holds them once by position, for one rotary module and layer type (Gemma 3's local and
+global layers differ), and grows as the sequence does. The fused kernel (``kernels/rope_latent.cpp``)
+reads a key's row by its position; the table is a model constant, counted once in the cache's bytes.
+
+The kernel pairs channel ``e`` with ``e + rotary_dim / 2`` (the "rotate half" layout of Llama, Mistral,
+Qwen, Gemma; RoFormer, arXiv 2104.09864). ``matches`` checks on random keys that the model's own
+``apply_rotary_pos_emb`` does exactly that with these tables; a model that pairs otherwise (interleaved
+pairs) keeps the model-module path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+STEP = 1024  # the table grows by whole multiples of this many positions, and by at least an eighth
+
+
+class RopeTable:
+    """``cos``, ``sin`` (P, rotary_dim / 2) float32 on the CPU: row ``p`` for position ``p``."""
+
+    def __init__(self, cos_sin):
+        self._cos_sin = cos_sin  # positions (1, 1, n) -> cos, sin (1, n, rotary_dim) float32
+        self.cos = self.sin = None
+        self.pairs_halves = True  # cos/sin repeat their first half: the pairs are (e, e + rotary_dim / 2)
+
+    @property
+    def length(self) -> int:
+        return 0 if self.cos is None else self.cos.shape[0]
+
+    def covering(self, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``, ``sin`` with at least ``stop`` rows (extended when shorter)."""
+        if stop > self.length:
+            grown = max(stop, self.length + self.length // 8)
+            self._fill(-(-grown // STEP) * STEP)
+        return self.cos, self.sin
+
+    def _fill(self, rows: int) -> None:
+        positions = torch.arange(rows, dtype=torch.int32).view(1, 1, rows)
+        cos, sin = (t[0] for t in self._cos_sin(positions))  # (P, rotary_dim)
+        half = cos.shape[-1] // 2
+        repeated = [torch.equal(t[:, :half], t[:, half:]) for t in (cos, sin)]
+        self.pairs_halves = all(repeated)
+        self.cos, self.sin = cos[:, :half].contiguous(), sin[:, :half].contiguous()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [] if self.cos is None else [self.cos, self.sin]
+
+
+def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The kernel's rotation in tensor form: x (..., n, D), cos/sin (..., n, half) -> (..., n, D)."""
+    half = cos.shape[-1]
+    a, b, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin, rest], dim=-1)
+
+
+def matches(rope, table: RopeTable, head_dim: int) -> bool:
+    """Whether ``rope.rotate`` equals ``rotate_halves`` with ``table`` (float rounding aside) for keys of
+    ``head_dim`` channels: the condition for the fused kernel to serve this layer."""
+    cos, sin = table.covering(STEP)
+    if not table.pairs_halves or 2 * cos.shape[-1] > head_dim:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    positions = torch.tensor([0, 1, 17, STEP - 1], dtype=torch.int32)
+    x = torch.randn(1, 1, len(positions), head_dim, generator=gen)
+    try:
+        want = rope.rotate_by_module(x, positions.view(1, 1, -1))
+    except RuntimeError:  # the model's rotation does not take keys of this width
+        return False
+    got = rotate_halves(x, cos[positions.long()], sin[positions.long()])
+    return bool(torch.allclose(want, got, rtol=1e-5, atol=1e-5))
