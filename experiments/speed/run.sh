@@ -22,6 +22,9 @@ if [[ $what == all || $what == decode ]]; then
   # low_rank's pre-RoPE keys rebuilt from joint and from per-head bases
   [ -f $F/decode_4k_inplace.json ] || $PY $F/decode_speed.py $F/decode_4k_inplace.json 4096 6 4 full \
     block_sparse_0.25 block_sparse_0.25_gather sliding_window_2048 int4_kernel low_rank_32 low_rank_32_head
+  # pre-RoPE low_rank with its C++ kernel (keys rebuilt, rotated and dotted in registers; a shared cos/sin table)
+  [ -f $F/decode_4k_rope_kernel.json ] || $PY $F/decode_speed.py $F/decode_4k_rope_kernel.json 4096 6 4 full \
+    low_rank_32 low_rank_32_head low_rank_32_post block_sparse_0.25
   # at 8k (8000: the context must also hold the decoded tokens), the int widths against full, more rounds
   [ -f $F/decode_8k_kernel.json ] || $PY $F/decode_speed.py $F/decode_8k_kernel.json 8000 6 4 full int4_kernel \
     int8_kernel int2_kernel int4_unfused
