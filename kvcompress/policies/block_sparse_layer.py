@@ -67,6 +67,8 @@ class BlockSparseLayer(PolicyLayer):
             b = keys.shape[0]
             first = self.valid[:, 0].int().argmax(-1).tolist() if self.valid is not None else [0] * b
             self.shift = [(-f) % self.policy.block_size for f in first]
+        if self._fold_one(keys, start, total):
+            return
         new = keys[:, :, start:]  # (B, H_kv, q, D)
         lo, hi = new, new
         if self.valid is not None:
@@ -81,9 +83,24 @@ class BlockSparseLayer(PolicyLayer):
         self.page_max.scatter_reduce_(2, idx, hi, "amax")
         self.meta_len = total
 
+    def _fold_one(self, keys: torch.Tensor, start: int, total: int) -> bool:
+        """Fold one unpadded token into its page's bounds in place, two element-wise ops instead of a
+        scatter over page indices (a decode step's case); False where the general path is needed."""
+        if self.valid is not None or total - start != 1 or self.page_min is None or any(self.shift):
+            return False
+        page = (total - 1) // self.policy.block_size
+        if page >= self.page_min.shape[2]:  # the token opens a page: grown by the general path
+            return False
+        new = keys[:, :, start]  # (B, H_kv, D)
+        self.page_min[:, :, page].clamp_(max=new)
+        self.page_max[:, :, page].clamp_(min=new)
+        self.meta_len = total
+        return True
+
     def page_bounds(self, query: torch.Tensor) -> torch.Tensor:
         """Upper bound of q·k over each page, max over the query heads of a GQA group: (B, H_kv, P)."""
-        return page_bounds(self.page_min, self.page_max, query[:, :, None])
+        # without padding every page holds a token: no empty page to mask
+        return page_bounds(self.page_min, self.page_max, query[:, :, None], self.valid is not None)
 
     # -- selection ----------------------------------------------------------------------------
     def attend(self, query, key, value):
@@ -212,7 +229,9 @@ class BlockSparseLayer(PolicyLayer):
 BOUND_ELEMENTS = 1 << 25  # largest (rows x pages) temporary of one pass of page_bounds
 
 
-def page_bounds(page_min: torch.Tensor, page_max: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+def page_bounds(
+    page_min: torch.Tensor, page_max: torch.Tensor, query: torch.Tensor, empty=True
+) -> torch.Tensor:
     """Quest's upper bound of q·k over each page, max over a GQA group's query heads and over the queries
     of a chunk: (B, H_kv, P), -inf for empty pages (no real token).
 
@@ -223,6 +242,7 @@ def page_bounds(page_min: torch.Tensor, page_max: torch.Tensor, query: torch.Ten
     Args:
         page_min, page_max: (B, H_kv, P, D) per-channel key bounds of each page (+inf / -inf when empty).
         query: (B, H, q, D).
+        empty: whether a page may hold no token (padding); False skips their mask.
     """
     b, h_kv, p, d = page_min.shape
     q = query.reshape(b, h_kv, -1, d)  # (B, H_kv, g*q, D): heads h_kv*g .. share KV head h_kv
@@ -233,7 +253,7 @@ def page_bounds(page_min: torch.Tensor, page_max: torch.Tensor, query: torch.Ten
         # an empty page's +-inf give inf or NaN in its own column only; masked below
         part = (part.clamp(min=0) @ page_max.mT + part.clamp(max=0) @ page_min.mT).amax(2)  # (B, H_kv, P)
         bound = part if bound is None else torch.maximum(bound, part)
-    return bound.masked_fill(~(page_max[..., 0] >= page_min[..., 0]), -math.inf)
+    return bound.masked_fill(~(page_max[..., 0] >= page_min[..., 0]), -math.inf) if empty else bound
 
 
 def _grow(meta: torch.Tensor | None, like: torch.Tensor, n_pages: int, fill: float) -> torch.Tensor:

@@ -136,9 +136,7 @@ class LowRankStore(ResidualStore):
         return residual - self.config.residual_length
 
     def fixed_tensors(self):
-        """The maps, and the rotary table once built (one per model rotation, so counted once a cache)."""
-        table = self.rope.table.tensors() if self.rope is not None else []
-        return list({id(t): t for t in [*self.encoder.values(), *self.decoder.values(), *table]}.values())
+        return list({id(t): t for t in [*self.encoder.values(), *self.decoder.values()]}.values())
 
     # -- readable names (tests, stats) ------------------------------------------------------
     def _part(self, kind: str, i: int):
@@ -166,6 +164,9 @@ class LowRankStore(ResidualStore):
             **out,
             "tokens_projected": self.encoded_length,
             "rope_kernel_steps": self.kernel_steps,
+            # the model's cos/sin by position (kvcompress.storage.rope_table): shared by every layer and
+            # cache of the model, like the model's own weights, so reported here and not in ``bytes``
+            "rope_table_bytes": storage_bytes(self.rope.table.tensors()) if self.rope is not None else 0,
             "basis_bytes": storage_bytes(self.fixed_tensors()),
             "position_bytes": storage_bytes([self.positions]),
             "calibration_source": cal["source"],

@@ -4,7 +4,10 @@ Rotating rebuilt pre-RoPE keys every decode step used to ask the model's rotary 
 every stored position, in each layer (about 1 ms a layer at 4k tokens on a CPU, as much as attention).
 A ``RopeTable`` holds them once by position, for one rotary module and layer type (Gemma 3's local and
 global layers differ), and grows as the sequence does. The fused kernel (``kernels/rope_latent.cpp``)
-reads a key's row by its position; the table is a model constant, counted once in the cache's bytes.
+reads a key's row by its position. The table belongs with the model, as the cos/sin buffers transformers'
+rotary modules used to hold: it is shared by every layer and every cache built from the same policy, it
+depends on no cached token, so it is reported apart (``rope_table_bytes`` in a layer's stats) and not in a
+cache's ``memory_bytes()``.
 
 The kernel pairs channel ``e`` with ``e + rotary_dim / 2`` (the "rotate half" layout of Llama, Mistral,
 Qwen, Gemma; RoFormer, arXiv 2104.09864). ``matches`` checks on random keys that the model's own

@@ -134,19 +134,24 @@ def test_decode_uses_the_kernel_with_the_logits_of_the_model_module(basis, token
     torch.testing.assert_close(out["kernel"], out["module"], rtol=1e-5, atol=1e-5)
 
 
-def test_the_table_is_shared_by_the_layers_and_counted_once(tokens, tmp_path):
+def test_the_table_is_shared_by_the_layers_and_reported_apart_from_the_cache(tokens, tmp_path):
+    """One table for the model's rotation: not a cached token's bytes, so not in ``memory_bytes``, and
+    reported in every layer's stats; a snapshot shares it."""
     model = make_tiny("llama")
     cache = build_cache(policy(tmp_path), model)
-    before = fixed_bytes(cache)
     stream_logits(model, tokens, cache, chunk=1)
-    tables = {id(layer.store.rope.table) for layer in cache.layers}
-    assert len(tables) == 1
+    assert len({id(layer.store.rope.table) for layer in cache.layers}) == 1
     table = cache.layers[0].store.rope.table
     assert table.length == rope_table.STEP
-    assert fixed_bytes(cache) - before == 2 * table.cos.numel() * 4  # cos and sin once for three layers
+    table_bytes = 2 * table.cos.numel() * 4  # cos and sin, float32
+    assert [s["rope_table_bytes"] for s in cache.stats()] == [table_bytes] * 3
+    held = [t for layer in cache.layers for t in layer.tensors()]
+    assert not {t.untyped_storage().data_ptr() for t in table.tensors()} & {
+        t.untyped_storage().data_ptr() for t in held if t is not None
+    }
     snap = copy.deepcopy(cache)
     assert snap.layers[0].store.rope is cache.layers[0].store.rope  # a constant: shared, not copied
-    assert fixed_bytes(snap) == fixed_bytes(cache)
+    assert snap.memory_bytes() == cache.memory_bytes() and fixed_bytes(snap) == fixed_bytes(cache)
 
 
 def test_gemma3_local_and_global_layers_keep_their_own_tables():
