@@ -1,9 +1,13 @@
-// Decode attention over chosen pages of a float32 KV cache, read where they lie (no gathered copy).
-// Quest (Tang et al., arXiv 2406.10774) reads only the pages whose key bounds can score high; the page
-// choice is in kvcompress/policies/block_sparse_layer.py, the softmax between the two calls in torch.
+// Decode attention over chosen pages of a float32 KV cache, read where they lie (no gathered copy), and
+// the choice of those pages. Quest (Tang et al., arXiv 2406.10774) reads only the pages whose key bounds can
+// score high; the tensor form of the choice is in kvcompress/policies/block_sparse_layer.py, the softmax
+// between the two attention calls in torch.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <limits>
+#include <numeric>
 #include <vector>
 
 namespace {
@@ -118,7 +122,61 @@ torch::Tensor page_values(torch::Tensor p, torch::Tensor values, torch::Tensor p
   return out;
 }
 
+// Quest's bound of each page for one KV head's g queries, max over them: per channel q max where q >= 0,
+// q min elsewhere (the same sums as kvcompress.policies.block_sparse_layer.page_bounds). Pages (P, D).
+void bounds(const float* q, int64_t g, int64_t d, const float* lo, const float* hi, int64_t p, float* out) {
+  for (int64_t s = 0; s < p; ++s) {
+    float best = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < g; ++i) {
+      const float* qi = q + i * d;
+      float up = 0.f, down = 0.f;
+#pragma omp simd reduction(+ : up, down)
+      for (int64_t e = 0; e < d; ++e) {
+        up += std::max(qi[e], 0.f) * hi[s * d + e];
+        down += std::min(qi[e], 0.f) * lo[s * d + e];
+      }
+      best = std::max(best, up + down);
+    }
+    out[s] = best;
+  }
+}
+
+// q (B, H_kv, g, D) float32 contiguous; page_min, page_max (B, H_kv, P, D) float32 with contiguous pages,
+// every page holding a token (no padding). Returns the ``width`` pages (B, H_kv, width) int64 ascending
+// with the highest bound, the first ``sinks`` pages and the newest one always among them: one call for
+// what the tensor form does in a dozen small operations per layer and step.
+torch::Tensor select_pages(torch::Tensor q, torch::Tensor page_min, torch::Tensor page_max, int64_t sinks,
+                           int64_t width) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 4 && q.is_contiguous(), "q: contiguous float32");
+  TORCH_CHECK(page_min.sizes() == page_max.sizes() && page_min.is_contiguous() && page_max.is_contiguous() &&
+                  page_min.scalar_type() == at::kFloat && page_max.scalar_type() == at::kFloat,
+              "page_min, page_max: contiguous float32 of one shape");
+  const int64_t b = q.size(0), hk = q.size(1), g = q.size(2), d = q.size(3), p = page_min.size(2);
+  TORCH_CHECK(page_min.size(0) == b && page_min.size(1) == hk && page_min.size(3) == d, "pages: shapes");
+  TORCH_CHECK(width >= 1 && width <= p, "width: between 1 and the pages");
+  auto out = torch::empty({b, hk, width}, q.options().dtype(at::kLong));
+  const float *qp = q.data_ptr<float>(), *lo = page_min.data_ptr<float>(), *hi = page_max.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, b * hk, 1, [&](int64_t a, int64_t z) {
+    std::vector<float> score(p);
+    std::vector<int64_t> order(p);
+    for (int64_t x = a; x < z; ++x) {
+      bounds(qp + x * g * d, g, d, lo + x * p * d, hi + x * p * d, p, score.data());
+      const float forced = std::numeric_limits<float>::infinity();
+      std::fill(score.begin(), score.begin() + std::min(sinks, p), forced);
+      score[p - 1] = forced;
+      std::iota(order.begin(), order.end(), 0);
+      auto better = [&](int64_t i, int64_t j) { return score[i] > score[j] || (score[i] == score[j] && i < j); };
+      std::nth_element(order.begin(), order.begin() + (width - 1), order.end(), better);
+      std::sort(order.begin(), order.begin() + width);
+      std::copy(order.begin(), order.begin() + width, op + x * width);
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("page_logits", &page_logits, "logits of a decode query over chosen pages of a float32 cache");
   m.def("page_values", &page_values, "probability-weighted sum of the values of chosen pages");
+  m.def("select_pages", &select_pages, "Quest's pages to read: bounds, forced pages, top width, ascending");
 }

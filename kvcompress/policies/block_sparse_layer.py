@@ -125,9 +125,12 @@ class BlockSparseLayer(PolicyLayer):
 
     def select(self, query: torch.Tensor) -> torch.Tensor:
         """Pages this decode step reads, ascending, -1 for unused slots: (B, H_kv, k)."""
-        score = self.page_bounds(query)
         if self.valid is None:  # no padding: every page holds tokens, the newest is the last one
-            return self._select_unpadded(score)
+            width = self.policy.pages_to_read_count(self.page_min.shape[2])
+            sinks, mode = self.policy.sink_blocks, self.policy.fused_attention
+            pages = fused_pages.select(mode, query, self.page_min, self.page_max, sinks, width)
+            return self._select_unpadded(self.page_bounds(query)) if pages is None else pages
+        score = self.page_bounds(query)
         real = score > -math.inf  # (B, H_kv, P) non-empty pages
         forced = real & (real.cumsum(-1) <= self.policy.sink_blocks)
         newest = self._page_of(torch.tensor([self.stored_length() - 1], device=self.device))  # (B, 1)

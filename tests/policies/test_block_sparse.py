@@ -141,6 +141,26 @@ def test_pages_read_in_place_equal_attention_over_the_gathered_pages(no_padding,
     assert out["auto_bytes"] == out["off_bytes"]
 
 
+@pytest.mark.parametrize("block_size,ratio,sinks", [(4, 0.25, 1), (4, 0.5, 0), (16, 0.25, 2), (1, 0.1, 3)])
+def test_the_kernels_page_choice_is_the_tensor_forms(no_padding, block_size, ratio, sinks):
+    """``fused_pages.select`` (one C++ call) returns the pages of ``page_bounds`` + ``_select_unpadded``."""
+    _page_kernel_or_skip()
+    from kvcompress import fused_pages
+
+    policy = BlockSparsePolicy(block_size=block_size, read_ratio=ratio, sink_blocks=sinks)
+    layer, _ = _filled_layer(policy, 203, seed=block_size)
+    g = torch.Generator().manual_seed(11)
+    for _ in range(25):
+        q = torch.randn(1, SPEC.num_heads, SPEC.head_dim, generator=g)
+        width = policy.pages_to_read_count(layer.page_min.shape[2])
+        got = fused_pages.select("auto", q, layer.page_min, layer.page_max, sinks, width)
+        want = layer._select_unpadded(layer.page_bounds(q))
+        assert got.dtype == torch.int64 and torch.equal(got, want)
+        assert got[..., -1].eq(layer.page_min.shape[2] - 1).all()  # the newest page
+        assert got[..., : min(sinks, width)].eq(torch.arange(min(sinks, width))).all()  # the sinks
+    assert fused_pages.select("off", q, layer.page_min, layer.page_max, sinks, width) is None
+
+
 def test_decode_with_pages_read_in_place_keeps_the_logits(llama, tokens, monkeypatch):
     _page_kernel_or_skip()
     from kvcompress import fused_pages
