@@ -65,11 +65,11 @@ class Rope:
         a CPU, another pairing, a position it does not hold yet): the model's module is asked then."""
         if positions.device.type != "cpu" or not self.fits_kernel(width):
             return None
-        flat = positions.reshape(-1, positions.shape[-1]).long()
-        flat = torch.where(flat < 0, torch.iinfo(torch.int64).max, flat)  # no row: out of range, not wrapped
+        rows, n = positions.numel() // positions.shape[-1], positions.shape[-1]
+        flat = positions.reshape(-1)
         cos, sin = self.table.covering(1)
-        try:
-            return cos[flat], sin[flat]
+        try:  # index_select refuses a negative position too (no wrapping)
+            return cos.index_select(0, flat).view(rows, n, -1), sin.index_select(0, flat).view(rows, n, -1)
         except IndexError:  # past the table: the decode kernel extends it as the sequence grows
             return None
 
