@@ -29,6 +29,8 @@ struct Inputs {
          const torch::Tensor& pos_, const torch::Tensor& cos_, const torch::Tensor& sin_) {
     TORCH_CHECK(q_.scalar_type() == at::kFloat && q_.dim() == 4 && q_.is_contiguous() && q_.device().is_cpu(),
                 "q: expected a contiguous float32 CPU tensor (B, H_kv, n, D)");
+    for (const auto* t : {&coef_, &dect_, &pos_, &cos_, &sin_})
+      TORCH_CHECK(t->device().is_cpu(), "rope_logits: every input must be a CPU tensor");
     TORCH_CHECK(coef_.scalar_type() == at::kFloat && coef_.dim() == 4 && coef_.stride(3) == 1,
                 "coef: expected float32 (B, G, T, R) with contiguous components");
     TORCH_CHECK(dect_.scalar_type() == at::kFloat && dect_.dim() == 3 && dect_.is_contiguous(),
