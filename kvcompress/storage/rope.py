@@ -53,10 +53,14 @@ class Rope:
         cos, sin = self.rotary(probe, flat, *extra)
         return cos.float(), sin.float()
 
-    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, halves: bool = False):
+        """x (B, H_kv, n, D) turned by cos/sin (B * h, n, ...): the model's function, or with ``halves`` the
+        table's rows (rotary dims / 2) through ``rope_table.rotate_halves``, the same products and sums."""
         b, h, n, d = x.shape
         rows = cos.shape[0]  # B * h: each row's cos/sin broadcast over its H_kv / h heads
         flat = x.float().reshape(rows, b * h // rows, n, d)
+        if halves:
+            return rope_table.rotate_halves(flat, cos[:, None], sin[:, None]).view(b, h, n, d)
         # the model's function rotates a query too: an empty one costs nothing
         return self.apply(flat[:, :0], flat, cos, sin)[1].view(b, h, n, d)
 
@@ -75,22 +79,11 @@ class Rope:
 
     def _turn(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool) -> torch.Tensor:
         rows = self._rows(positions, x.shape[-1])
-        if rows is None:
-            cos, sin = self._cos_sin(positions)
-            apply = self._apply
-        else:  # the same products and sums as the model's function (half-split pairs, checked)
-            cos, sin = rows
-            apply = self._apply_halves
+        cos, sin = self._cos_sin(positions) if rows is None else rows
         if inverse:
             norm = cos * cos + sin * sin  # 1 for plain RoPE; YaRN scales both by its attention factor
             cos, sin = cos / norm, -sin / norm
-        return apply(x, cos, sin)
-
-    def _apply_halves(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, h, n, d = x.shape
-        rows = cos.shape[0]
-        flat = x.float().reshape(rows, b * h // rows, n, d)
-        return rope_table.rotate_halves(flat, cos[:, None], sin[:, None]).view(b, h, n, d)
+        return self._apply(x, cos, sin, halves=rows is not None)
 
     def rotate_by_module(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``rotate`` through the model's own rotary module and function (the table's reference)."""
