@@ -89,7 +89,7 @@ def rope_logits(q: torch.Tensor, parts: tuple, decoder, positions, rope, seen: i
     if kernel is None:
         return None
     coef, scale = _latent(parts)
-    dect = decoder.mT.contiguous()  # (G, R, g * D): a block's components as rows, 18k floats a layer
+    dect = decoder.mT.contiguous()  # (G, R, g * D): the store lays its key decoder out so (no copy)
     needed = seen
     while needed > 0:  # a position past the table (given by the caller, beyond the tokens seen): extend it
         cos, sin = rope.table.covering(needed)

@@ -30,12 +30,19 @@ def from_blocks(y: torch.Tensor, heads: int) -> torch.Tensor:
     return y.reshape(b, blocks, n, g, gd // g).transpose(2, 3).reshape(b, heads, n, gd // g)
 
 
-def _own(maps: tuple) -> tuple:
+def _own(maps: tuple, by_component: bool = False) -> tuple:
     """Float32 copies with their own storage (not views of the whole calibration); one shared copy when
-    encoder and decoder are the same tensor (plain PCA)."""
-    enc = maps[0].float().clone(memory_format=torch.contiguous_format)
-    same = maps[1] is maps[0]
-    return enc, enc if same else maps[1].float().clone(memory_format=torch.contiguous_format)
+    encoder and decoder are the same tensor (plain PCA). With ``by_component`` the decoder (G, g * D, R) is
+    laid out component by component in memory, as the pre-RoPE kernel reads it (``decoder.mT`` is then
+    contiguous: no decode step transposes it); the matrix products take either layout."""
+
+    def own(m: torch.Tensor, rows: bool) -> torch.Tensor:
+        m = m.float().mT if rows else m.float()
+        m = m.clone(memory_format=torch.contiguous_format)
+        return m.mT if rows else m
+
+    dec = own(maps[1], by_component)
+    return (dec if maps[0] is maps[1] else own(maps[0], False)), dec
 
 
 class LowRankStore(ResidualStore):
@@ -48,10 +55,10 @@ class LowRankStore(ResidualStore):
 
     def __init__(self, config, layer_idx, spec, kinds, bases: dict, rope=None):
         super().__init__(config, layer_idx, spec, kinds)
-        maps = {kind: _own(bases[kind]) for kind in kinds}
+        self.rope = rope if "keys" in kinds else None
+        maps = {kind: _own(bases[kind], kind == "keys" and self.rope is not None) for kind in kinds}
         self.encoder = {kind: m[0] for kind, m in maps.items()}
         self.decoder = {kind: m[1] for kind, m in maps.items()}
-        self.rope = rope if "keys" in kinds else None
         self.needs_positions = config.keys == "pre_rope" and "keys" in kinds  # also on NoPE layers: bytes
         self.dtype = None  # of the model's keys: coefficients and scales are stored in it
         self.kernel_steps = 0  # decode steps whose pre-RoPE logits the C++ kernel computed

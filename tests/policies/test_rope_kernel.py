@@ -130,6 +130,9 @@ def test_decode_uses_the_kernel_with_the_logits_of_the_model_module(basis, token
         cache = build_cache(policy(tmp_path, basis=basis, residual_length=2), model)
         out[path] = stream_logits(model, tokens, cache, chunk=1)
         steps[path] = [s["rope_kernel_steps"] for s in cache.stats()]
+        for layer in cache.layers:  # the key decoder is stored as the kernel reads it: no copy per step
+            dec = layer.store.decoder["keys"]
+            assert dec.mT.is_contiguous() and dec.mT.contiguous().data_ptr() == dec.data_ptr()
     assert steps["kernel"] == [48 - 3] * 3 and steps["module"] == [0] * 3  # every step with encoded keys
     torch.testing.assert_close(out["kernel"], out["module"], rtol=1e-5, atol=1e-5)
 
