@@ -79,13 +79,7 @@ torch::Tensor page_logits(torch::Tensor q, torch::Tensor keys, torch::Tensor pag
       float* ox = op + x * g * n;
       const Spans sp(pp + x * k, k, block, total);
       sp.each_token(kc.head(x / hk, x % hk), kc.st, [&](int64_t at, const float* kt) {
-        for (int64_t i = 0; i < g; ++i) {
-          const float* qi = qx + i * d;
-          float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t e = 0; e < d; ++e) acc += qi[e] * kt[e];
-          ox[i * n + at] = acc;
-        }
+        for (int64_t i = 0; i < g; ++i) ox[i * n + at] = kvc::dot(qx + i * d, kt, d);
       });
     }
   });
@@ -146,12 +140,8 @@ void bounds(const float* q, int64_t g, int64_t d, const float* lo, const float* 
   }
 #endif
   for (; s < p; ++s)
-    for (int64_t i = 0; i < g; ++i) {
-      float a = 0.f, c = 0.f;
-#pragma omp simd reduction(+ : a, c)
-      for (int64_t e = 0; e < d; ++e) a += up[i * d + e] * hi[s * d + e], c += down[i * d + e] * lo[s * d + e];
-      out[s] = std::max(out[s], a + c);
-    }
+    for (int64_t i = 0; i < g; ++i)
+      out[s] = std::max(out[s], kvc::dot(up + i * d, hi + s * d, d) + kvc::dot(down + i * d, lo + s * d, d));
 }
 
 // q (B, H_kv, g, D) float32 contiguous; page_min, page_max (B, H_kv, P, D) float32 with contiguous pages,

@@ -194,13 +194,7 @@ torch::Tensor key_logits(torch::Tensor q, torch::Tensor codes, torch::Tensor sca
 #endif
         for (int64_t t = m * group; t < (m + 1) * group; ++t) {
           unpack(cp + (x * te + t) * w, w, bits, c.data());
-          for (int64_t i = 0; i < g; ++i) {
-            const float* qi = qs.data() + i * d;
-            float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-            for (int64_t e = 0; e < d; ++e) acc += qi[e] * c[e];
-            ox[i * te + t] = zc[i] + acc;
-          }
+          for (int64_t i = 0; i < g; ++i) ox[i * te + t] = zc[i] + kvc::dot(qs.data() + i * d, c.data(), d);
         }
       }
     }

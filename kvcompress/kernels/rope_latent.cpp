@@ -138,16 +138,8 @@ inline void dot_rows(const float* keys, int64_t m, const float* q, const Inputs&
     return;
   }
 #endif
-  for (int64_t i = 0; i < in.n; ++i) {
-    const float* qi = q + i * in.d;
-    for (int64_t k = 0; k < m; ++k) {
-      const float* key = keys + k * in.d;
-      float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t e = 0; e < in.d; ++e) acc += qi[e] * key[e];
-      out[i * in.t + k] = acc;
-    }
-  }
+  for (int64_t i = 0; i < in.n; ++i)
+    for (int64_t k = 0; k < m; ++k) out[i * in.t + k] = kvc::dot(q + i * in.d, keys + k * in.d, in.d);
 }
 
 // Logits of one block's g heads x n queries over tokens [t0, t1) of batch row x.

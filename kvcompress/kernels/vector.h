@@ -1,13 +1,24 @@
-// AVX-512 helpers shared by the kernels: dot products of one query with 16 tokens, ending in one
-// transposing reduction instead of a horizontal sum per token.
+// Dot products shared by the kernels: one query with one row (any CPU), and with AVX-512 one query with 16
+// rows, ending in one transposing reduction instead of a horizontal sum per row.
 #pragma once
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
 
 #include <cstdint>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace kvc {
+
+// a . b over d floats (the compiler vectorises it; one horizontal sum at the end).
+inline float dot(const float* a, const float* b, int64_t d) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t e = 0; e < d; ++e) acc += a[e] * b[e];
+  return acc;
+}
+
+#if defined(__AVX512F__)
 
 // r[t] = sum of the 16 lanes of a[t], for 16 registers at once (a transpose that adds as it goes).
 inline __m512 reduce16(__m512* a) {
@@ -37,6 +48,6 @@ inline __m512 dots16(const float* q, const float* rows, int64_t d) {
   }
   return reduce16(acc);
 }
+#endif
 
 }  // namespace kvc
-#endif
