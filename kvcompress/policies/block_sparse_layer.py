@@ -129,25 +129,23 @@ class BlockSparseLayer(PolicyLayer):
             width = self.policy.pages_to_read_count(self.page_min.shape[2])
             sinks, mode = self.policy.sink_blocks, self.policy.fused_attention
             pages = fused_pages.select(mode, query, self.page_min, self.page_max, sinks, width)
-            return self._select_unpadded(self.page_bounds(query)) if pages is None else pages
+            return self._select_unpadded(self.page_bounds(query), width) if pages is None else pages
         score = self.page_bounds(query)
         real = score > -math.inf  # (B, H_kv, P) non-empty pages
         forced = real & (real.cumsum(-1) <= self.policy.sink_blocks)
         newest = self._page_of(torch.tensor([self.stored_length() - 1], device=self.device))  # (B, 1)
         forced.scatter_(-1, newest[:, None].expand(-1, score.shape[1], -1), True)
         k = self.policy.pages_to_read(real.sum(-1))  # (B, H_kv)
-        # without padding every page holds tokens: the width is known on the host (no device sync)
-        width = self.policy.pages_to_read_count(score.shape[-1]) if self.valid is None else int(k.max())
+        width = int(k.max())  # rows differ in real pages with padding: the widest row's count (a sync)
         top = score.masked_fill(forced, math.inf).topk(width, dim=-1).indices  # best first
         top = top.masked_fill(torch.arange(top.shape[-1], device=self.device) >= k[..., None], -1)
         return top.sort(dim=-1).values
 
-    def _select_unpadded(self, score: torch.Tensor) -> torch.Tensor:
-        """``select`` where every page is real: the same pages, with no per-page masks (the sinks and the
-        newest page are forced by slicing, and the width is known on the host)."""
+    def _select_unpadded(self, score: torch.Tensor, width: int) -> torch.Tensor:
+        """``select``'s tensor form where every page is real: the same pages, with no per-page masks (the
+        sinks and the newest page are forced by slicing, and the ``width`` is known on the host)."""
         score[..., : self.policy.sink_blocks] = math.inf
         score[..., -1] = math.inf
-        width = self.policy.pages_to_read_count(score.shape[-1])
         return score.topk(width, dim=-1).indices.sort(dim=-1).values
 
     def _tokens(self, pages: torch.Tensor, total: int):

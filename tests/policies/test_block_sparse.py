@@ -154,7 +154,7 @@ def test_the_kernels_page_choice_is_the_tensor_forms(no_padding, block_size, rat
         q = torch.randn(1, SPEC.num_heads, SPEC.head_dim, generator=g)
         width = policy.pages_to_read_count(layer.page_min.shape[2])
         got = fused_pages.select("auto", q, layer.page_min, layer.page_max, sinks, width)
-        want = layer._select_unpadded(layer.page_bounds(q))
+        want = layer._select_unpadded(layer.page_bounds(q), width)
         assert got.dtype == torch.int64 and torch.equal(got, want)
         assert got[..., -1].eq(layer.page_min.shape[2] - 1).all()  # the newest page
         assert got[..., : min(sinks, width)].eq(torch.arange(min(sinks, width))).all()  # the sinks
