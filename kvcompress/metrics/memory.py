@@ -28,6 +28,15 @@ def fixed_bytes(cache) -> int:
     return storage_bytes(t for layer in cache.layers for t in layer.store.fixed_tensors())
 
 
+def shared_bytes(cache) -> int:
+    """Bytes the cache's policy holds outside ``memory_bytes()``, once however many layers share them: the
+    pre-RoPE rotary table (``Store.shared_tensors``), shared by every cache of the policy and depending on
+    no cached token."""
+    from kvcompress.storage.buffers import storage_bytes
+
+    return storage_bytes(t for layer in cache.layers for t in layer.store.shared_tensors())
+
+
 def read_summary(stats: list[dict]) -> dict:
     """KV bytes read per decode step over all layers, for policies that count reads (``block_sparse``).
 

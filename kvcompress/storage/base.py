@@ -150,6 +150,11 @@ class Store:
         """Per-layer constants (shared by every sequence), reported apart from per-token bytes."""
         return []
 
+    def shared_tensors(self) -> list[torch.Tensor]:
+        """Tensors held beside the model and outside ``tensors()``: shared by every layer and cache of the
+        policy, they depend on no cached token (the pre-RoPE rotary table); reported as ``shared_bytes``."""
+        return []
+
     def stats(self) -> dict:
         return {"storage": self.config.name}
 

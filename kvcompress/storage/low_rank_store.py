@@ -145,6 +145,9 @@ class LowRankStore(ResidualStore):
     def fixed_tensors(self):
         return list({id(t): t for t in [*self.encoder.values(), *self.decoder.values()]}.values())
 
+    def shared_tensors(self):
+        return self.rope.table.tensors() if self.rope is not None else []
+
     # -- readable names (tests, stats) ------------------------------------------------------
     def _part(self, kind: str, i: int):
         parts = self.encoded[kind]
@@ -173,7 +176,7 @@ class LowRankStore(ResidualStore):
             "rope_kernel_steps": self.kernel_steps,
             # the model's cos/sin by position (kvcompress.storage.rope_table): shared by every layer and
             # cache of the model, like the model's own weights, so reported here and not in ``bytes``
-            "rope_table_bytes": storage_bytes(self.rope.table.tensors()) if self.rope is not None else 0,
+            "rope_table_bytes": storage_bytes(self.shared_tensors()),
             "basis_bytes": storage_bytes(self.fixed_tensors()),
             "position_bytes": storage_bytes([self.positions]),
             "calibration_source": cal["source"],

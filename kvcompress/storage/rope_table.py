@@ -6,8 +6,8 @@ A ``RopeTable`` holds them once by position, for one rotary module and layer typ
 global layers differ), and grows as the sequence does. The fused kernel (``kernels/rope_latent.cpp``)
 reads a key's row by its position. The table belongs with the model, as the cos/sin buffers transformers'
 rotary modules used to hold: it is shared by every layer and every cache built from the same policy, it
-depends on no cached token, so it is reported apart (``rope_table_bytes`` in a layer's stats) and not in a
-cache's ``memory_bytes()``.
+depends on no cached token, so it is reported apart (``Store.shared_tensors``: ``rope_table_bytes`` in a
+layer's stats, ``shared_bytes`` once in a perplexity run's metrics) and not in a cache's ``memory_bytes()``.
 
 The kernel pairs channel ``e`` with ``e + rotary_dim / 2`` (the "rotate half" layout of Llama, Mistral,
 Qwen, Gemma; RoFormer, arXiv 2104.09864). ``matches`` checks on random keys that the model's own

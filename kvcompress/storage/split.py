@@ -69,6 +69,9 @@ class SplitStore(Store):
     def fixed_tensors(self):
         return [t for store in self._both() for t in store.fixed_tensors()]
 
+    def shared_tensors(self):
+        return [t for store in self._both() for t in store.shared_tensors()]
+
     @property
     def keys(self):
         return self.key_store.keys

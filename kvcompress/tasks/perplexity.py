@@ -16,7 +16,13 @@ from kvcompress.data import load_text
 from kvcompress.guard import check_fits
 from kvcompress.metrics import decode_perplexity, measure_speed, peak_rss_bytes
 from kvcompress.metrics.compression import compression_check, full_cache_bytes, tokens_evicted
-from kvcompress.metrics.memory import fixed_bytes, peak_device_bytes, read_summary, tier_summary
+from kvcompress.metrics.memory import (
+    fixed_bytes,
+    peak_device_bytes,
+    read_summary,
+    shared_bytes,
+    tier_summary,
+)
 from kvcompress.tasks.slices import combine_slices, slice_ids, slice_starts
 
 
@@ -69,6 +75,7 @@ def _score(model, tokenizer, ids, policy, cfg, chars) -> dict:
     metrics["calibration_ranges"] = spans
     metrics["cache_bytes"] = cache.memory_bytes()
     metrics["fixed_bytes"] = fixed_bytes(cache)  # per-model constants (low-rank bases), not per token
+    metrics["shared_bytes"] = shared_bytes(cache)  # beside cache_bytes: the pre-RoPE rotary table, once
     metrics["tokens_stored_mean"] = sum(s["tokens_stored"] for s in cache.stats()) / len(cache.layers)
     metrics.update(read_summary(cache.stats()))  # block_sparse: bytes read per decode step
     metrics.update(tier_summary(cache.stats()))  # tiered: bytes per tier, fetches, LRU hit rate

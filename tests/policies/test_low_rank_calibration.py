@@ -87,6 +87,7 @@ def test_perplexity_records_the_calibration_range_and_refuses_an_overlap(user_mo
     metrics = _ppl(user_model, tok, policy, essay, 64)
     assert metrics["calibration_ranges"][0]["tokens"] == [n - 100, n]  # no special tokens in this tokenizer
     assert metrics["fixed_bytes"] > 0 and metrics["per_token_cache_ratio"] < metrics["cache_ratio"]
+    assert metrics["shared_bytes"] > 0  # the pre-RoPE rotary table, reported beside the cache's bytes
     with pytest.raises(ValueError, match="must not see its calibration text"):
         _ppl(user_model, tok, policy, essay, n - 50)
     with pytest.raises(ValueError, match="must not see its calibration text"):  # only the 2nd slice overlaps

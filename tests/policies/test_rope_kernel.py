@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from zoo import make_family
 
 from kvcompress import build_cache, fused_low_rank, kernels
-from kvcompress.metrics.memory import fixed_bytes
+from kvcompress.metrics.memory import fixed_bytes, shared_bytes
 from kvcompress.policies import LowRankPolicy
 from kvcompress.storage import rope_table
 from kvcompress.storage.low_rank_store import from_blocks
@@ -148,6 +148,7 @@ def test_the_table_is_shared_by_the_layers_and_reported_apart_from_the_cache(tok
     assert table.length == rope_table.STEP
     table_bytes = 2 * table.cos.numel() * 4  # cos and sin, float32
     assert [s["rope_table_bytes"] for s in cache.stats()] == [table_bytes] * 3
+    assert shared_bytes(cache) == table_bytes  # once for the three layers sharing it
     held = [t for layer in cache.layers for t in layer.tensors()]
     assert not {t.untyped_storage().data_ptr() for t in table.tensors()} & {
         t.untyped_storage().data_ptr() for t in held if t is not None
@@ -155,6 +156,7 @@ def test_the_table_is_shared_by_the_layers_and_reported_apart_from_the_cache(tok
     snap = copy.deepcopy(cache)
     assert snap.layers[0].store.rope is cache.layers[0].store.rope  # a constant: shared, not copied
     assert snap.memory_bytes() == cache.memory_bytes() and fixed_bytes(snap) == fixed_bytes(cache)
+    assert shared_bytes(snap) == table_bytes
 
 
 def test_gemma3_local_and_global_layers_keep_their_own_tables():
