@@ -42,8 +42,16 @@ def reference(q, coef, decoder, positions, rope):
 
 @pytest.mark.parametrize(
     "d,h_kv,blocks,n,t",
-    [(64, 3, 3, 3, 300), (64, 3, 1, 3, 37), (16, 2, 1, 2, 17), (32, 4, 2, 1, 513), (48, 2, 2, 2, 40)],
-    ids=["d64-head-gqa3", "d64-joint", "d16-joint", "d32-pairs", "d48-scalar"],
+    [
+        (64, 3, 3, 3, 300),
+        (64, 3, 1, 3, 37),
+        (16, 2, 1, 2, 17),
+        (32, 4, 2, 1, 513),
+        (96, 2, 1, 2, 33),
+        (128, 2, 2, 4, 70),
+        (48, 2, 2, 2, 40),
+    ],
+    ids=["d64-head-gqa3", "d64-joint", "d16-joint", "d32-pairs", "d96-joint", "d128-head", "d48-scalar"],
 )
 def test_kernel_equals_rebuild_then_rotate(d, h_kv, blocks, n, t):
     rope = rope_of(d)
@@ -54,8 +62,7 @@ def test_kernel_equals_rebuild_then_rotate(d, h_kv, blocks, n, t):
     coef = store[:, :, :t]
     decoder = torch.randn(blocks, g * d, r, generator=gen) / r**0.5
     positions = torch.randint(0, 3000, (2, blocks, t), generator=gen, dtype=torch.int32)  # past the table
-    rope.fits_kernel(d)
-    assert rope.table.length < 3000
+    assert rope.fits_kernel(d) and rope.table.length < 3000
     got = fused_low_rank.rope_logits(q, (coef,), decoder, positions, rope, seen=t)
     assert rope.table.length >= 3000  # extended to the largest position
     torch.testing.assert_close(got, reference(q, coef, decoder, positions, rope), rtol=1e-4, atol=1e-4)
