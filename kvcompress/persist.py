@@ -139,6 +139,8 @@ def _restore(obj, cls: str, state: dict, where: str, tensors, device) -> None:
                      tensors, device)  # fmt: skip
             continue
         setattr(obj, name, decode(node, tensors, device))
+    if hasattr(obj, "loaded"):  # a store: rebuild what a file does not keep (kernel layouts)
+        obj.loaded()
 
 
 def _check(header: dict, key: str, want, hint: str) -> None:

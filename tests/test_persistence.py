@@ -39,6 +39,8 @@ def assert_same_state(a, b) -> None:
     for name, t in tensors_a.items():
         assert t.dtype == tensors_b[name].dtype and torch.equal(t, tensors_b[name]), name
     assert a.get_seq_length() == b.get_seq_length() and a.memory_bytes() == b.memory_bytes()
+    for x, y in zip(a.layers, b.layers, strict=True):  # kernels read constants in their own layout
+        assert [t.stride() for t in x.store.fixed_tensors()] == [t.stride() for t in y.store.fixed_tensors()]
 
 
 @pytest.mark.parametrize("sel,var", CASES, ids=CASE_IDS)

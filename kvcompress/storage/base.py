@@ -150,6 +150,10 @@ class Store:
         """Per-layer constants (shared by every sequence), reported apart from per-token bytes."""
         return []
 
+    def loaded(self) -> None:
+        """Called once ``load_cache`` has put a file's state back: rebuild what a file does not keep (a
+        file holds contiguous tensors, so a constant laid out for a kernel is laid out again here)."""
+
     def shared_tensors(self) -> list[torch.Tensor]:
         """Tensors held beside the model and outside ``tensors()``: shared by every layer and cache of the
         policy, they depend on no cached token (the pre-RoPE rotary table); reported as ``shared_bytes``."""

@@ -145,6 +145,13 @@ class LowRankStore(ResidualStore):
     def fixed_tensors(self):
         return list({id(t): t for t in [*self.encoder.values(), *self.decoder.values()]}.values())
 
+    def loaded(self) -> None:
+        """A file restores the maps contiguous: the pre-RoPE key decoder is laid out by component again, so
+        a loaded cache reads the same memory layout, and computes the same bits, as the cache it saved."""
+        for kind in self.kinds:
+            maps = _own((self.encoder[kind], self.decoder[kind]), kind == "keys" and self.rope is not None)
+            self.encoder[kind], self.decoder[kind] = maps
+
     def shared_tensors(self):
         return self.rope.table.tensors() if self.rope is not None else []
 
