@@ -37,6 +37,7 @@ def fork(cache):
     with torch.inference_mode():  # caches are filled under inference mode: copy them there too
         new.layers = copy.deepcopy(cache.layers, memo)
     for layer in new.layers:  # copied buffers were not allocated by the copy's slots
+        layer.slots.clear()
         if hasattr(layer.store, "slots"):
             layer.store.slots.clear()
     return new

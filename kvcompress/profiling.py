@@ -15,34 +15,42 @@ import torch
 
 
 class PolicyTimer:
-    """Accumulates seconds spent inside policy code while ``enabled``."""
+    """Accumulates seconds spent inside policy code while ``enabled``. ``with TIMER.measure():`` times a
+    block; the timer is its own context manager (no generator per call: the decode path enters it a few
+    times per layer and step), and blocks may nest (each is counted, as before)."""
 
     def __init__(self):
         self.enabled = False
         self.seconds = 0.0
         self.calls = 0
+        self._starts: list[float | None] = []
 
     def reset(self) -> None:
         self.seconds, self.calls = 0.0, 0
 
-    @contextmanager
-    def measure(self):
+    def measure(self) -> PolicyTimer:
+        return self
+
+    def __enter__(self) -> None:
         if not self.enabled:
-            yield
+            self._starts.append(None)
             return
         sync_device()
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
+        self._starts.append(time.perf_counter())
+
+    def __exit__(self, *exc) -> bool:
+        start = self._starts.pop()
+        if start is not None:
             sync_device()
             self.seconds += time.perf_counter() - start
             self.calls += 1
+        return False
 
 
 def sync_device() -> None:
-    """Wait for queued CUDA work, where CUDA is in use (a no-op on CPU)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    """Wait for queued CUDA work, where CUDA is in use (a no-op on CPU). ``is_initialized`` alone decides:
+    it is False wherever CUDA is unavailable, and costs a flag read where ``is_available`` asks the driver."""
+    if torch.cuda.is_initialized():
         torch.cuda.synchronize()
 
 

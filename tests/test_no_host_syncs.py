@@ -65,12 +65,18 @@ def test_counting_syncs_sees_item_int_and_bool():
 
 def test_policy_timer_synchronises_the_device_around_each_measure(monkeypatch):
     synced = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: synced.append(1))
-    with profiling.timing() as timer, timer.measure():
-        pass
-    assert len(synced) == 2 and timer.calls == 1
+    with profiling.timing() as timer:
+        with timer.measure():
+            pass
+        assert len(synced) == 2 and timer.calls == 1
+        with timer.measure(), timer.measure():  # nested blocks are each counted
+            pass
+        assert len(synced) == 6 and timer.calls == 3
+        with pytest.raises(KeyError), timer.measure():  # an error inside still closes the block
+            raise KeyError("x")
+        assert len(synced) == 8 and timer.calls == 4 and timer._starts == []
     with timer.measure():  # disabled: no sync at all
         pass
-    assert len(synced) == 2
+    assert len(synced) == 8 and timer._starts == []

@@ -30,7 +30,7 @@ class H2OLayer(EvictionLayer):
         super().on_append(key_states, new_valid)
         b, h, q, _ = key_states.shape
         zeros = torch.zeros(b, h, q, dtype=torch.float32, device=key_states.device)
-        self.acc = zeros if self.acc is None else torch.cat([self.acc, zeros], dim=-1)
+        self.acc = self.slots.grow("acc", self.acc, zeros)
 
     def observe_attention(self, query, key, scaling: float, probs=None) -> None:
         self.acc += self.scores(query, key, scaling, self.policy.observation_window, probs).sum(dim=2)

@@ -12,7 +12,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvcompress import attention
 from kvcompress.profiling import TIMER
-from kvcompress.storage.buffers import storage_bytes
+from kvcompress.storage.buffers import Slots, storage_bytes
 
 
 class PolicyLayer(CacheLayerMixin):
@@ -45,6 +45,7 @@ class PolicyLayer(CacheLayerMixin):
         self.left_pad: torch.Tensor | None = None  # (B,) leading padding of each row (chunked layers)
         self.seen = self.evicted = 0
         self._view: tuple[int, torch.Tensor | None] | None = None
+        self.slots = Slots()  # buffers of per-token state (``pos``, ``per_token``) this layer grows in place
         for name in self.per_token + self.per_row:
             setattr(self, name, None)
 
@@ -68,7 +69,7 @@ class PolicyLayer(CacheLayerMixin):
             self.left_pad = _leading_padding(new_valid, b, key_states.device)
         self.valid = cat_valid(self.valid, new_valid, self.stored_length(), b, q, key_states.device)
         if self.track:
-            self.pos = _cat_positions(self.pos, self.seen, b, q, key_states.device)
+            self.pos = _cat_positions(self.slots, self.pos, self.seen, b, q, key_states.device)
         self.store.append(key_states, value_states, kwargs.get("positions"))  # model's position_ids or None
         self.seen += q
         if self._defers(q):
@@ -345,8 +346,9 @@ def _leading_padding(new_valid, batch: int, device) -> torch.Tensor:
     return (new_valid.long().cumsum(-1) == 0).sum(-1)
 
 
-def _cat_positions(old, seen: int, batch: int, q: int, device) -> torch.Tensor:
-    """Absolute positions (B, h, T + q) int32: the stored ones, then ``seen .. seen + q - 1``."""
+def _cat_positions(slots, old, seen: int, batch: int, q: int, device) -> torch.Tensor:
+    """Absolute positions (B, h, T + q) int32: the stored ones, then ``seen .. seen + q - 1`` (in place in
+    the layer's ``slots`` when there is room)."""
     h = 1 if old is None else old.shape[1]
     new = torch.arange(seen, seen + q, dtype=torch.int32, device=device).expand(batch, h, q)
-    return new.clone() if old is None else torch.cat([old, new], dim=-1)
+    return new.clone() if old is None else slots.grow("pos", old, new)

@@ -38,9 +38,11 @@ class Slots:
 
     def __init__(self):
         self._owned: dict[str, int] = {}
+        self._grown: dict[str, tuple] = {}  # name -> (shape, strides) of a buffer ``grow`` allocated
 
     def clear(self) -> None:
         self._owned.clear()
+        self._grown.clear()
 
     def _alloc(self, name: str, like: torch.Tensor, n: int) -> torch.Tensor:
         b, h, _, d = like.shape
@@ -73,6 +75,31 @@ class Slots:
             out[:, :, :n] = x
         out[:, :, n:] = new
         return out
+
+    def grow(self, name: str, x: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+        """``x`` (..., n) followed by ``new`` (..., q) along the last dim: a selector's per-token state
+        (positions, accumulated scores), in place when ``x`` is a leading slice of a buffer allocated here
+        with room (headroom as for tokens), so a decode step does not copy it whole."""
+        if x is None:
+            return self.store(name, new)
+        n, q = x.shape[-1], new.shape[-1]
+        if self._room_after(name, x) >= q:
+            out = x.as_strided((*x.shape[:-1], n + q), x.stride())
+        else:
+            buf = torch.empty(*x.shape[:-1], n + q + headroom(n + q), dtype=x.dtype, device=x.device)
+            self._owned[name] = buf.untyped_storage().data_ptr()
+            self._grown[name] = (buf.shape, buf.stride())
+            out = buf[..., : n + q]
+            out[..., :n] = x
+        out[..., n:] = new
+        return out
+
+    def _room_after(self, name: str, x: torch.Tensor) -> int:
+        """Free entries after ``x`` (..., n) in a buffer ``grow`` allocated: a leading slice of it has the
+        buffer's strides and leading dims and offset 0 (any other view gets 0)."""
+        shape, strides = self._grown.get(name, ((), ()))
+        ok = self.owns(name, x) and x.stride() == strides and x.shape[:-1] == shape[:-1]
+        return shape[-1] - x.shape[-1] if ok and x.storage_offset() == 0 else 0
 
     def take(self, name: str, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Rows ``idx`` (B, 1 or H, k) of ``x`` (B, H, T, D), copied into a fresh buffer (x is freed)."""

@@ -44,10 +44,7 @@ class DenseStore(Store):
         """Move the newest token into ``slot`` (B, 1 or H_kv, 1); refused where ``can_refill`` is False."""
         if not self.can_refill():
             return False
-        b, h = getattr(self, self.kinds[0]).shape[:2]
-        rows = torch.arange(b, device=slot.device).view(b, 1)
-        heads = torch.arange(h, device=slot.device).view(1, h)
-        self._fill_from_newest((rows, heads, slot.expand(b, h, 1)[..., 0]))  # slot (B, H_kv) per row and head
+        self._fill_from_newest(slot)
         return True
 
     def can_refill(self) -> bool:
@@ -59,17 +56,22 @@ class DenseStore(Store):
         return all(self.slots.owns(kind, getattr(self, kind)) for kind in self.kinds)
 
     def refill(self, slot: int) -> None:
-        self._fill_from_newest((slice(None), slice(None), slot))  # one token's copy, no index tensor
+        self._fill_from_newest(slot)  # one token's copy, no index tensor
 
-    def _fill_from_newest(self, where: tuple) -> None:
-        """Write the newest token (B, H_kv, D) at ``where`` and drop it from the end. May run after the
-        step's forward (a settled eviction): an inference tensor is written under inference mode, any
-        other outside it."""
+    def _fill_from_newest(self, slot: int | torch.Tensor) -> None:
+        """Write the newest token (B, H_kv, 1, D) at ``slot`` (an int, or (B, 1 or H_kv, 1) per row and
+        head: one scatter along T) and drop it from the end. May run after the step's forward (a settled
+        eviction): an inference tensor is written under inference mode, any other outside it."""
         t = self.length
         for name in self.kinds:
             x = getattr(self, name)
             with torch.no_grad(), torch.inference_mode(x.is_inference()):
-                x[where] = x[:, :, t - 1].clone()  # a clone: ``where`` may be the newest slot itself
+                newest = x[:, :, t - 1 :].clone()  # a clone: ``slot`` may be the newest slot itself
+                if isinstance(slot, int):
+                    x[:, :, slot : slot + 1] = newest
+                else:
+                    b, h, _, d = newest.shape
+                    x.scatter_(2, slot.expand(b, h, 1)[..., None].expand(b, h, 1, d), newest)
             setattr(self, name, x[:, :, : t - 1])
 
     def reorder(self, beam_idx) -> None:

@@ -41,6 +41,27 @@ def test_extend_never_writes_a_foreign_tensor():
     assert torch.equal(out[:, :, :300], view) and bool((out[:, :, 300] == 1).all())
 
 
+def test_grow_matches_cat_in_place_and_never_writes_a_foreign_tensor():
+    slots, ref = Slots(), [torch.arange(2 * 3 * 2000, dtype=torch.int32).view(2, 3, 2000)]
+    x, kept = slots.grow("pos", None, ref[0]), []
+    for step in range(300):
+        new = torch.full((2, 3, 1), step, dtype=torch.int32)
+        x = slots.grow("pos", x, new)
+        ref.append(new)
+        kept.append(x)  # alive, so a reallocation cannot reuse a freed address
+
+        if step % 7 == 0:  # an in-place eviction shortens the view: the next step writes in its place
+            x, ref = x[..., :-1], [torch.cat(ref, dim=-1)[..., :-1]]
+    assert torch.equal(x, torch.cat(ref, dim=-1))
+    assert len({t.untyped_storage().data_ptr() for t in kept}) < 30  # in place between reallocations
+    big = torch.zeros(2, 3, 400)
+    out = slots.grow("pos", big[..., :300], torch.ones(2, 3, 1))  # someone else's buffer, with room
+    assert big.abs().sum() == 0 and bool((out[..., 300] == 1).all())
+    shared = torch.zeros(2, 1, 50)  # positions shared by the heads of a row: (B, 1, T) grows too
+    grown = slots.grow("shared", slots.grow("shared", shared, torch.ones(2, 1, 1)), torch.ones(2, 1, 2))
+    assert grown.shape == (2, 1, 53) and float(grown.sum()) == 6.0
+
+
 @pytest.mark.parametrize("heads_shared", [True, False])
 def test_take_and_gather_copy_exactly_the_kept_rows(heads_shared):
     x = _tokens()
