@@ -119,9 +119,8 @@ class ResidualStore(Store):
             if positions is None:
                 positions = torch.arange(self.appended, self.appended + q, device=keys.device)[None]
             new = positions.to(device=keys.device, dtype=torch.int32).view(-1, 1, q).expand(b, h, q)
-            self.positions = (
-                new.contiguous() if self.positions is None else torch.cat([self.positions, new], -1)
-            )
+            old = self.positions  # grown in place when there is room (no copy of every position per step)
+            self.positions = new.contiguous() if old is None else self.slots.grow("positions", old, new)
         self.appended += q
 
     def read(self):
