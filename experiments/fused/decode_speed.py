@@ -9,7 +9,13 @@ contender decodes ``steps`` tokens in turn: the ratio to ``full`` is taken withi
 load) and reported as median and range. Policy overhead is ``PolicyTimer`` seconds over decode seconds.
 The process's CPU time is recorded too (``vs_full_cpu``): on a machine shared with higher-priority jobs,
 wall time mostly measures preemption, CPU time what the decode itself cost (one thread).
-Usage: ``python experiments/fused/decode_speed.py OUT.json LENGTH [ROUNDS] [STEPS] [NAME ...]``
+
+With ``--paired`` each contender's ratio is taken against a ``full`` measurement made just before it (so
+``full`` decodes once per contender and round), not against the round's single ``full`` measurement a
+minute earlier: load that drifts within a round then cancels. ``full`` is put back to its snapshot after
+each measurement (plus one untimed step that re-owns its buffers), so every ``full`` sample decodes at the
+same context; the contenders' own contexts grow by ``rounds x steps`` tokens, a bias against them.
+Usage: ``python experiments/fused/decode_speed.py OUT.json LENGTH [ROUNDS] [STEPS] [--paired] [NAME ...]``
 """
 
 from __future__ import annotations
@@ -107,16 +113,23 @@ def decode(model, state, steps: int) -> tuple[float, float]:
     return steps / seconds, timer.seconds / seconds, steps / cpu
 
 
-def summarise(samples: dict, states: dict) -> dict:
+def ratios(runs: list, fulls: list, index: int) -> list[float]:
+    """Each run's ``index`` field (0: tok/s by wall time, 2: by CPU time) over its paired ``full`` run's."""
+    return [run[index] / full[index] for run, full in zip(runs, fulls, strict=True)]
+
+
+def summarise(samples: dict, states: dict, fulls: dict | None = None) -> dict:
+    """Per contender its medians and ranges; ``fulls[name]``: the ``full`` runs its rounds are divided by
+    (paired mode), else the round's one ``full`` run."""
     out = {}
     for name, runs in samples.items():
-        ratios = [run[0] / full[0] for run, full in zip(runs, samples["full"], strict=True)]
-        cpu = [run[2] / full[2] for run, full in zip(runs, samples["full"], strict=True)]
+        base = runs if name == "full" else samples["full"] if fulls is None else fulls[name]
+        ratio, cpu = ratios(runs, base, 0), ratios(runs, base, 2)
         toks, over = [r[0] for r in runs], [r[1] for r in runs]
         out[name] = {
             "decode_tok_s_median": statistics.median(toks), "decode_tok_s_min": min(toks),
-            "decode_tok_s_max": max(toks), "vs_full_median": statistics.median(ratios),
-            "vs_full_min": min(ratios), "vs_full_max": max(ratios),
+            "decode_tok_s_max": max(toks), "vs_full_median": statistics.median(ratio),
+            "vs_full_min": min(ratio), "vs_full_max": max(ratio),
             "cpu_tok_s_median": statistics.median(r[2] for r in runs),
             "vs_full_cpu_median": statistics.median(cpu),
             "vs_full_cpu_min": min(cpu), "vs_full_cpu_max": max(cpu),
@@ -130,8 +143,26 @@ def summarise(samples: dict, states: dict) -> dict:
     return out
 
 
+def measure_paired(model, states: dict, names: list, rounds: int, steps: int) -> tuple[dict, dict]:
+    """Rounds in which each contender decodes right after a ``full`` measurement (see the docstring)."""
+    full = states["full"]
+    snap, snap_next = full["cache"].snapshot(), full["next"]
+    samples, fulls = {name: [] for name in names}, {name: [] for name in names[1:]}
+    for _ in range(rounds):
+        for name in names[1:]:
+            full["cache"].restore(snap)  # every full sample decodes from the same context
+            full["next"] = snap_next
+            warm_up(model, full, 1)  # untimed: the first step after a restore re-owns (copies) the buffers
+            run = decode(model, full, steps)
+            samples["full"].append(run)
+            fulls[name].append(run)
+            samples[name].append(decode(model, states[name], steps))
+    return samples, fulls
+
+
 def main(out: str, length: int, rounds: int = 4, steps: int = 4, *names: str) -> None:
-    names = list(names or CONTENDERS)
+    paired = "--paired" in names
+    names = [n for n in names if n != "--paired"] or list(CONTENDERS)
     names = names if names[0] == "full" else ["full", *[n for n in names if n != "full"]]
     model, tokenizer = load_model("smollm2-135m")
     attention.install(model)
@@ -141,13 +172,16 @@ def main(out: str, length: int, rounds: int = 4, steps: int = 4, *names: str) ->
     states |= {name: prepare(model, tokenizer, ids, name, states["full"]) for name in names[1:]}
     for state in states.values():
         warm_up(model, state)
-    samples = {name: [] for name in names}
-    for _ in range(rounds):
+    samples, fulls = {name: [] for name in names}, None
+    if paired:
+        samples, fulls = measure_paired(model, states, names, rounds, steps)
+    for _ in range(rounds if not paired else 0):
         for name in names:
             samples[name].append(decode(model, states[name], steps))
     record = {
         "context": length, "rounds": rounds, "steps_per_round": steps, "dtype": str(model.dtype),
-        "contenders": {n: CONTENDERS[n] for n in names}, "results": summarise(samples, states),
+        "paired": paired, "contenders": {n: CONTENDERS[n] for n in names},
+        "results": summarise(samples, states, fulls),
         "env": {
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),

@@ -12,6 +12,7 @@ from pathlib import Path
 from kvcompress.report import markdown_table
 
 COLUMNS = "cache,vs_full,vs_full_cpu,policy_overhead,cache_mib"
+PAIRED = "; each ratio is to a `full` measurement made just before it (`--paired`)"
 
 
 def decode_row(name: str, result: dict) -> dict:
@@ -42,7 +43,7 @@ def decode_block(args: list[str], options: dict, root: Path, md_path: Path) -> s
         f"_`{args[0]}`: context {record['context']}, {record['rounds']} rounds of "
         f"{record['steps_per_round']} steps, {record['dtype']}, OMP_NUM_THREADS="
         f"{env['OMP_NUM_THREADS']}, load average {load[0]:.1f} before and {load[1]:.1f} after; "
-        "ranges are over the rounds. Regenerate: `make results`._"
+        f"ranges are over the rounds{PAIRED if record.get('paired') else ''}. Regenerate: `make results`._"
     )
     columns = [c for c in options.get("columns", COLUMNS).split(",") if any(c in r for r in rows)]
     return markdown_table(rows, columns) + "\n\n" + note
