@@ -12,7 +12,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvcompress import attention
 from kvcompress.profiling import TIMER
-from kvcompress.storage.buffers import Slots, storage_bytes
+from kvcompress.storage.buffers import Slots, storage_bytes, writing
 
 
 class PolicyLayer(CacheLayerMixin):
@@ -228,7 +228,7 @@ class PolicyLayer(CacheLayerMixin):
             if x.shape[1] < slot.shape[1]:
                 x = x.expand(-1, slot.shape[1], -1).clone()  # per-row positions turn per head
             t = x.shape[-1]
-            with torch.inference_mode(x.is_inference()):
+            with writing(x):
                 x.scatter_(-1, slot.expand(-1, x.shape[1], -1), x[..., t - 1 :].clone())
             setattr(self, name, x[..., : t - 1])
 

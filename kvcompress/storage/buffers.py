@@ -14,7 +14,25 @@ the tensor is a leading slice of it, so a tensor handed in by the model is never
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+
+def writing(x: torch.Tensor):
+    """The autograd mode to write ``x`` in place in: an inference tensor under inference mode, any other
+    outside it and without grad (an eviction may be settled after the forward). No new context when the
+    current mode already is that one (a decode step: entering modes costs more than the write)."""
+    inference = x.is_inference()
+    if torch.is_inference_mode_enabled() == inference and not torch.is_grad_enabled():
+        return contextlib.nullcontext()
+    return _mode(inference)
+
+
+@contextlib.contextmanager
+def _mode(inference: bool):
+    with torch.no_grad(), torch.inference_mode(inference):
+        yield
 
 
 def headroom(n_tokens: int) -> int:
@@ -76,13 +94,14 @@ class Slots:
         out[:, :, n:] = new
         return out
 
-    def grow(self, name: str, x: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-        """``x`` (..., n) followed by ``new`` (..., q) along the last dim: a selector's per-token state
-        (positions, accumulated scores), in place when ``x`` is a leading slice of a buffer allocated here
-        with room (headroom as for tokens), so a decode step does not copy it whole."""
+    def grow(self, name: str, x: torch.Tensor | None, new: torch.Tensor | float, q: int = 0) -> torch.Tensor:
+        """``x`` (..., n) followed by ``new`` (..., q) along the last dim, or by ``q`` entries of the value
+        ``new``: a selector's per-token state (positions, accumulated scores), in place when ``x`` is a
+        leading slice of a buffer allocated here with room (headroom as for tokens), so a decode step does
+        not copy it whole."""
         if x is None:
             return self.store(name, new)
-        n, q = x.shape[-1], new.shape[-1]
+        n, q = x.shape[-1], new.shape[-1] if isinstance(new, torch.Tensor) else q
         if self._room_after(name, x) >= q:
             out = x.as_strided((*x.shape[:-1], n + q), x.stride())
         else:

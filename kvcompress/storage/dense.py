@@ -65,7 +65,7 @@ class DenseStore(Store):
         t = self.length
         for name in self.kinds:
             x = getattr(self, name)
-            with torch.no_grad(), torch.inference_mode(x.is_inference()):
+            with buffers.writing(x):
                 newest = x[:, :, t - 1 :].clone()  # a clone: ``slot`` may be the newest slot itself
                 if isinstance(slot, int):
                     x[:, :, slot : slot + 1] = newest
