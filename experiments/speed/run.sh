@@ -41,6 +41,12 @@ if [[ $what == all || $what == paired ]]; then
   [ -f $F/decode_4k_paired.json ] || $PY $F/decode_speed.py $F/decode_4k_paired.json 4096 10 4 --paired full \
     int4_kernel int8_kernel int2_kernel block_sparse_0.25 low_rank_32 low_rank_32_head low_rank_32_post \
     snapkv_0.5 h2o_0.5 tova_0.5 pyramidkv_0.5 block_evict_0.5 expected_attention_0.5 kvzip_0.5 sliding_window_2048
+  # the same 4k run once more after the last overhead cuts, with 6 steps a round (the machine's noise is per
+  # measurement: longer ones average more of it)
+  [ -f $F/decode_4k_paired_last.json ] || $PY $F/decode_speed.py $F/decode_4k_paired_last.json 4096 12 6 \
+    --paired full int4_kernel int8_kernel int2_kernel block_sparse_0.25 low_rank_32 low_rank_32_head \
+    low_rank_32_post snapkv_0.5 h2o_0.5 tova_0.5 pyramidkv_0.5 block_evict_0.5 expected_attention_0.5 kvzip_0.5 \
+    sliding_window_2048
   [ -f $F/decode_8k_paired.json ] || $PY $F/decode_speed.py $F/decode_8k_paired.json 8000 10 4 --paired full \
     int4_kernel int8_kernel int2_kernel
 fi
