@@ -100,6 +100,8 @@ class Slots:
         leading slice of a buffer allocated here with room (headroom as for tokens), so a decode step does
         not copy it whole."""
         if x is None:
+            if not isinstance(new, torch.Tensor):
+                raise TypeError(f"Slots.grow({name!r}): the first entries must be a tensor, not {new!r}")
             return self.store(name, new)
         n, q = x.shape[-1], new.shape[-1] if isinstance(new, torch.Tensor) else q
         if self._room_after(name, x) >= q:

@@ -62,6 +62,8 @@ def test_grow_matches_cat_in_place_and_never_writes_a_foreign_tensor():
     assert grown.shape == (2, 1, 53) and float(grown.sum()) == 6.0
     filled = slots.grow("acc", slots.grow("acc", torch.ones(2, 3, 200), 0.0, 1), 0.0, 2)  # a value, q times
     assert filled.shape == (2, 3, 203) and float(filled.sum()) == 1200.0 and not bool(filled[..., 200:].any())
+    with pytest.raises(TypeError, match="first entries must be a tensor"):
+        slots.grow("empty", None, 0.0, 1)
 
 
 @pytest.mark.parametrize("heads_shared", [True, False])
