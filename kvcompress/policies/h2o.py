@@ -32,7 +32,7 @@ class H2OLayer(EvictionLayer):
         if self.acc is None:
             self.acc = torch.zeros(b, h, q, dtype=torch.float32, device=key_states.device)
         else:  # the new tokens' entries start at 0, written in place when the buffer has room
-            self.acc = self.slots.grow("acc", self.acc, 0.0, q)
+            self.acc = self.slots.grow("acc", self.acc, 0.0, q=q)
 
     def observe_attention(self, query, key, scaling: float, probs=None) -> None:
         self.acc += self.scores(query, key, scaling, self.policy.observation_window, probs).sum(dim=2)

@@ -6,7 +6,8 @@ headroom along T (``headroom``: 1/128 of the tokens, so ``memory_bytes()`` is at
 tokens stored; the headroom is real memory and is counted, since the view keeps the whole buffer alive).
 Appends write into the headroom; when it is used up the buffer is reallocated with new headroom
 (amortised O(128) tokens per step). Eviction copies the kept rows with one ``index_select`` into a fresh
-buffer, so evicted tokens are freed.
+buffer, so evicted tokens are freed. A layer's per-token state (positions, accumulated scores: (B, h, T))
+grows the same way along its last dim (``Slots.grow``).
 
 A buffer is only written in place when the layer allocated it (``Slots`` records the storage pointer) and
 the tensor is a leading slice of it, so a tensor handed in by the model is never written to.
@@ -15,6 +16,7 @@ the tensor is a leading slice of it, so a tensor handed in by the model is never
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -40,15 +42,21 @@ def headroom(n_tokens: int) -> int:
     return n_tokens // 128
 
 
-def _capacity(x: torch.Tensor) -> int:
-    """Token slots of the buffer behind ``x`` (B, H, n, D) if ``x`` is a leading slice of it, else n."""
-    b, h, n, d = x.shape
-    size = x.element_size()
-    cap, rest = divmod(x.untyped_storage().nbytes(), b * h * d * size)
-    ok = x.storage_offset() == 0 and rest == 0 and cap >= n and x.stride(3) == 1
-    ok = ok and (n == 1 or x.stride(2) == d) and (h == 1 or x.stride(1) == cap * d)
-    ok = ok and (b == 1 or x.stride(0) == h * cap * d)
-    return cap if ok else n
+def _capacity(x: torch.Tensor, dim: int = 2) -> int:
+    """Entries along ``dim`` of the buffer behind ``x`` if ``x`` is a leading slice of it along ``dim``
+    (a contiguous buffer cut short there, offset 0), else ``x.shape[dim]``: token slots of (B, H, n, D)
+    keys, or entries of a (B, h, n) per-token state with ``dim=-1``."""
+    shape, strides, dim = x.shape, x.stride(), dim % x.dim()
+    n, others = shape[dim], math.prod(shape[:dim] + shape[dim + 1 :])
+    cap, rest = divmod(x.untyped_storage().nbytes(), max(others, 1) * x.element_size())
+    if x.storage_offset() or rest or cap < n or others == 0:
+        return n
+    step = 1
+    for i in reversed(range(len(shape))):  # the strides of a contiguous buffer with ``cap`` along ``dim``
+        if shape[i] != 1 and strides[i] != step:
+            return n
+        step *= cap if i == dim else shape[i]
+    return cap
 
 
 class Slots:
@@ -56,21 +64,21 @@ class Slots:
 
     def __init__(self):
         self._owned: dict[str, int] = {}
-        self._grown: dict[str, tuple] = {}  # name -> (shape, strides) of a buffer ``grow`` allocated
 
     def clear(self) -> None:
         self._owned.clear()
-        self._grown.clear()
 
-    def _alloc(self, name: str, like: torch.Tensor, n: int) -> torch.Tensor:
-        b, h, _, d = like.shape
-        buf = torch.empty(b, h, n + headroom(n), d, dtype=like.dtype, device=like.device)
+    def _alloc(self, name: str, like: torch.Tensor, n: int, dim: int = 2) -> torch.Tensor:
+        """A buffer shaped like ``like`` with ``n`` entries and their headroom along ``dim``, owned here."""
+        shape = list(like.shape)
+        shape[dim] = n + headroom(n)
+        buf = torch.empty(shape, dtype=like.dtype, device=like.device)
         self._owned[name] = buf.untyped_storage().data_ptr()
         return buf
 
-    def room(self, name: str, x: torch.Tensor) -> int:
-        """Free slots after ``x`` in a buffer this layer owns (0 for any other tensor)."""
-        return _capacity(x) - x.shape[2] if self.owns(name, x) else 0
+    def room(self, name: str, x: torch.Tensor, dim: int = 2) -> int:
+        """Free entries after ``x`` along ``dim`` in a buffer this layer owns (0 for any other tensor)."""
+        return _capacity(x, dim) - x.shape[dim] if self.owns(name, x) else 0
 
     def owns(self, name: str, x: torch.Tensor) -> bool:
         """Whether ``x`` lives in a buffer this layer allocated (so it may be written in place)."""
@@ -83,44 +91,31 @@ class Slots:
 
     def extend(self, name: str, x: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
         """``x`` (B, H, n, D) followed by ``new`` (B, H, q, D); in place when there is room."""
-        if x is None:
-            return self.store(name, new)
-        n, q = x.shape[2], new.shape[2]
-        if self.room(name, x) >= q:
-            out = x.as_strided((*x.shape[:2], n + q, x.shape[3]), x.stride())
-        else:
-            out = self._alloc(name, x, n + q)[:, :, : n + q]
-            out[:, :, :n] = x
-        out[:, :, n:] = new
-        return out
+        return self.grow(name, x, new, dim=2)
 
-    def grow(self, name: str, x: torch.Tensor | None, new: torch.Tensor | float, q: int = 0) -> torch.Tensor:
-        """``x`` (..., n) followed by ``new`` (..., q) along the last dim, or by ``q`` entries of the value
-        ``new``: a selector's per-token state (positions, accumulated scores), in place when ``x`` is a
-        leading slice of a buffer allocated here with room (headroom as for tokens), so a decode step does
-        not copy it whole."""
+    def grow(
+        self, name: str, x: torch.Tensor | None, new: torch.Tensor | float, dim: int = -1, q: int = 0
+    ) -> torch.Tensor:
+        """``x`` followed along ``dim`` by ``new``, or by ``q`` entries of the value ``new``: tokens, or a
+        selector's per-token state (positions, accumulated scores, along the last dim). In place when ``x``
+        is a leading slice of a buffer allocated here with room, so a decode step does not copy it whole."""
         if x is None:
             if not isinstance(new, torch.Tensor):
                 raise TypeError(f"Slots.grow({name!r}): the first entries must be a tensor, not {new!r}")
             return self.store(name, new)
-        n, q = x.shape[-1], new.shape[-1] if isinstance(new, torch.Tensor) else q
-        if self._room_after(name, x) >= q:
-            out = x.as_strided((*x.shape[:-1], n + q), x.stride())
+        dim = dim % x.dim()
+        n, q = x.shape[dim], new.shape[dim] if isinstance(new, torch.Tensor) else q
+        if self.room(name, x, dim) >= q:
+            out = x.as_strided((*x.shape[:dim], n + q, *x.shape[dim + 1 :]), x.stride())
         else:
-            buf = torch.empty(*x.shape[:-1], n + q + headroom(n + q), dtype=x.dtype, device=x.device)
-            self._owned[name] = buf.untyped_storage().data_ptr()
-            self._grown[name] = (buf.shape, buf.stride())
-            out = buf[..., : n + q]
-            out[..., :n] = x
-        out[..., n:] = new
+            out = self._alloc(name, x, n + q, dim).narrow(dim, 0, n + q)
+            out.narrow(dim, 0, n).copy_(x)
+        tail = out.narrow(dim, n, q)
+        if isinstance(new, torch.Tensor):
+            tail.copy_(new)
+        else:
+            tail.fill_(new)
         return out
-
-    def _room_after(self, name: str, x: torch.Tensor) -> int:
-        """Free entries after ``x`` (..., n) in a buffer ``grow`` allocated: a leading slice of it has the
-        buffer's strides and leading dims and offset 0 (any other view gets 0)."""
-        shape, strides = self._grown.get(name, ((), ()))
-        ok = self.owns(name, x) and x.stride() == strides and x.shape[:-1] == shape[:-1]
-        return shape[-1] - x.shape[-1] if ok and x.storage_offset() == 0 else 0
 
     def take(self, name: str, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Rows ``idx`` (B, 1 or H, k) of ``x`` (B, H, T, D), copied into a fresh buffer (x is freed)."""

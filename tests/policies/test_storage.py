@@ -49,7 +49,6 @@ def test_grow_matches_cat_in_place_and_never_writes_a_foreign_tensor():
         x = slots.grow("pos", x, new)
         ref.append(new)
         kept.append(x)  # alive, so a reallocation cannot reuse a freed address
-
         if step % 7 == 0:  # an in-place eviction shortens the view: the next step writes in its place
             x, ref = x[..., :-1], [torch.cat(ref, dim=-1)[..., :-1]]
     assert torch.equal(x, torch.cat(ref, dim=-1))
@@ -60,10 +59,10 @@ def test_grow_matches_cat_in_place_and_never_writes_a_foreign_tensor():
     shared = torch.zeros(2, 1, 50)  # positions shared by the heads of a row: (B, 1, T) grows too
     grown = slots.grow("shared", slots.grow("shared", shared, torch.ones(2, 1, 1)), torch.ones(2, 1, 2))
     assert grown.shape == (2, 1, 53) and float(grown.sum()) == 6.0
-    filled = slots.grow("acc", slots.grow("acc", torch.ones(2, 3, 200), 0.0, 1), 0.0, 2)  # a value, q times
+    filled = slots.grow("acc", slots.grow("acc", torch.ones(2, 3, 200), 0.0, q=1), 0.0, q=2)  # a value
     assert filled.shape == (2, 3, 203) and float(filled.sum()) == 1200.0 and not bool(filled[..., 200:].any())
     with pytest.raises(TypeError, match="first entries must be a tensor"):
-        slots.grow("empty", None, 0.0, 1)
+        slots.grow("empty", None, 0.0, q=1)
 
 
 @pytest.mark.parametrize("heads_shared", [True, False])
