@@ -12,7 +12,7 @@ wall time mostly measures preemption, CPU time what the decode itself cost (one 
 
 With ``--paired`` each contender's ratio is taken against a ``full`` measurement made just before it (so
 ``full`` decodes once per contender and round), not against the round's single ``full`` measurement a
-minute earlier: load that drifts within a round then cancels. ``full`` is put back to its snapshot after
+minute earlier: load that drifts within a round then cancels. ``full`` is put back to one snapshot before
 each measurement (plus one untimed step that re-owns its buffers), so every ``full`` sample decodes at the
 same context; the contenders' own contexts grow by ``rounds x steps`` tokens, a bias against them.
 Usage: ``python experiments/fused/decode_speed.py OUT.json LENGTH [ROUNDS] [STEPS] [--paired] [NAME ...]``
@@ -143,6 +143,15 @@ def summarise(samples: dict, states: dict, fulls: dict | None = None) -> dict:
     return out
 
 
+def measure_rounds(model, states: dict, names: list, rounds: int, steps: int) -> dict:
+    """Rounds in which every contender, ``full`` first, decodes ``steps`` tokens in turn."""
+    samples = {name: [] for name in names}
+    for _ in range(rounds):
+        for name in names:
+            samples[name].append(decode(model, states[name], steps))
+    return samples
+
+
 def measure_paired(model, states: dict, names: list, rounds: int, steps: int) -> tuple[dict, dict]:
     """Rounds in which each contender decodes right after a ``full`` measurement (see the docstring)."""
     full = states["full"]
@@ -172,12 +181,10 @@ def main(out: str, length: int, rounds: int = 4, steps: int = 4, *names: str) ->
     states |= {name: prepare(model, tokenizer, ids, name, states["full"]) for name in names[1:]}
     for state in states.values():
         warm_up(model, state)
-    samples, fulls = {name: [] for name in names}, None
     if paired:
         samples, fulls = measure_paired(model, states, names, rounds, steps)
-    for _ in range(rounds if not paired else 0):
-        for name in names:
-            samples[name].append(decode(model, states[name], steps))
+    else:
+        samples, fulls = measure_rounds(model, states, names, rounds, steps), None
     record = {
         "context": length, "rounds": rounds, "steps_per_round": steps, "dtype": str(model.dtype),
         "paired": paired, "contenders": {n: CONTENDERS[n] for n in names},

@@ -10,6 +10,10 @@ PY=${PY:-.venv/bin/python}
 R=experiments/speed/runs
 done_ok() { [ -f "$1" ] && grep -q '"status": "ok"' "$1"; }
 what=${1:-all}
+# the contenders of every issue-18 target at 4k: full, the int widths, block_sparse, low_rank (joint, per-head,
+# post-RoPE) and every eviction policy at ratio 0.5
+TARGETS_4K="full int4_kernel int8_kernel int2_kernel block_sparse_0.25 low_rank_32 low_rank_32_head low_rank_32_post
+  snapkv_0.5 h2o_0.5 tova_0.5 pyramidkv_0.5 block_evict_0.5 expected_attention_0.5 kvzip_0.5 sliding_window_2048"
 if [[ $what == all || $what == decode ]]; then
   # interleaved decode tok/s vs full (rounds x steps, medians and ranges in the record)
   F=experiments/fused
@@ -26,9 +30,7 @@ if [[ $what == all || $what == decode ]]; then
   [ -f $F/decode_4k_rope_kernel.json ] || $PY $F/decode_speed.py $F/decode_4k_rope_kernel.json 4096 6 4 full \
     low_rank_32 low_rank_32_head low_rank_32_post block_sparse_0.25
   # every target of the issue at 4k in one interleaved run, after the page choice and the rope kernel
-  [ -f $F/decode_4k_final.json ] || $PY $F/decode_speed.py $F/decode_4k_final.json 4096 6 4 full int4_kernel \
-    int8_kernel int2_kernel block_sparse_0.25 low_rank_32 low_rank_32_head low_rank_32_post snapkv_0.5 h2o_0.5 \
-    tova_0.5 pyramidkv_0.5 block_evict_0.5 expected_attention_0.5 kvzip_0.5 sliding_window_2048
+  [ -f $F/decode_4k_final.json ] || $PY $F/decode_speed.py $F/decode_4k_final.json 4096 6 4 $TARGETS_4K
   # at 8k (8000: the context must also hold the decoded tokens), the int widths against full, more rounds
   [ -f $F/decode_8k_kernel.json ] || $PY $F/decode_speed.py $F/decode_8k_kernel.json 8000 6 4 full int4_kernel \
     int8_kernel int2_kernel int4_unfused
@@ -38,15 +40,12 @@ if [[ $what == all || $what == paired ]]; then
   # snapshot each time): drift within a round cancels. After the decode-overhead cuts (in-place per-token
   # state, a cheaper PolicyTimer). 4k: all 16 contenders; 8k: the int widths
   F=experiments/fused
-  [ -f $F/decode_4k_paired.json ] || $PY $F/decode_speed.py $F/decode_4k_paired.json 4096 10 4 --paired full \
-    int4_kernel int8_kernel int2_kernel block_sparse_0.25 low_rank_32 low_rank_32_head low_rank_32_post \
-    snapkv_0.5 h2o_0.5 tova_0.5 pyramidkv_0.5 block_evict_0.5 expected_attention_0.5 kvzip_0.5 sliding_window_2048
+  [ -f $F/decode_4k_paired.json ] || $PY $F/decode_speed.py $F/decode_4k_paired.json 4096 10 4 --paired \
+    $TARGETS_4K
   # the same 4k run once more after the last overhead cuts, with 6 steps a round (the machine's noise is per
   # measurement: longer ones average more of it)
   [ -f $F/decode_4k_paired_last.json ] || $PY $F/decode_speed.py $F/decode_4k_paired_last.json 4096 12 6 \
-    --paired full int4_kernel int8_kernel int2_kernel block_sparse_0.25 low_rank_32 low_rank_32_head \
-    low_rank_32_post snapkv_0.5 h2o_0.5 tova_0.5 pyramidkv_0.5 block_evict_0.5 expected_attention_0.5 kvzip_0.5 \
-    sliding_window_2048
+    --paired $TARGETS_4K
   [ -f $F/decode_8k_paired.json ] || $PY $F/decode_speed.py $F/decode_8k_paired.json 8000 10 4 --paired full \
     int4_kernel int8_kernel int2_kernel
 fi
@@ -60,31 +59,22 @@ if [[ $what == all || $what == evict ]]; then
     snapkv_0.5 h2o_0.5 tova_0.5 pyramidkv_0.5 block_evict_0.5 expected_attention_0.5 kvzip_0.5 sliding_window_2048
 fi
 if [[ $what == all || $what == lm_eval ]]; then
-  # lm-eval kvc_essays_ppl, --limit 8, chunk_size 1 (exact decode mode): batch 8 against batch 1
-  for b in 8 1; do
-    done_ok $R/lm_eval_b$b/results.json || $PY -m kvcompress task=lm_eval task.limit=8 task.chunk_size=1 \
-      task.batch_size=$b policy=sliding_window hydra.run.dir=$R/lm_eval_b$b > /dev/null
-  done
+  # lm-eval kvc_essays_ppl, --limit 8, chunk_size 1 (exact decode mode): batch 8, then batch 1, of one policy
+  lm_eval_pair() {  # NAME POLICY: records $R/NAME_b8 and $R/NAME_b1
+    for b in 8 1; do
+      done_ok $R/${1}_b$b/results.json || $PY -m kvcompress task=lm_eval task.limit=8 task.chunk_size=1 \
+        task.batch_size=$b policy=$2 hydra.run.dir=$R/${1}_b$b > /dev/null
+    done
+  }
+  lm_eval_pair lm_eval sliding_window
   # sliding_window again once its eviction became in place (a ring; per row with padding), no window copy
-  for b in 8 1; do
-    done_ok $R/lm_eval_ring_b$b/results.json || $PY -m kvcompress task=lm_eval task.limit=8 task.chunk_size=1 \
-      task.batch_size=$b policy=sliding_window hydra.run.dir=$R/lm_eval_ring_b$b > /dev/null
-  done
+  lm_eval_pair lm_eval_ring sliding_window
   # again, both on the same commit and a quiet machine (the ring's batch-1 record above predates a fix)
-  for b in 8 1; do
-    done_ok $R/lm_eval_final_b$b/results.json || $PY -m kvcompress task=lm_eval task.limit=8 task.chunk_size=1 \
-      task.batch_size=$b policy=sliding_window hydra.run.dir=$R/lm_eval_final_b$b > /dev/null
-  done
+  lm_eval_pair lm_eval_final sliding_window
   # once more after the decode-overhead cuts (in-place per-token state, a cheaper PolicyTimer), back to back
-  for b in 8 1; do
-    done_ok $R/lm_eval_last_b$b/results.json || $PY -m kvcompress task=lm_eval task.limit=8 task.chunk_size=1 \
-      task.batch_size=$b policy=sliding_window hydra.run.dir=$R/lm_eval_last_b$b > /dev/null
-  done
+  lm_eval_pair lm_eval_last sliding_window
   # the same with full: sliding_window copied its window at every step, a cost that grows with the batch
-  for b in 8 1; do
-    done_ok $R/lm_eval_full_b$b/results.json || $PY -m kvcompress task=lm_eval task.limit=8 task.chunk_size=1 \
-      task.batch_size=$b policy=full hydra.run.dir=$R/lm_eval_full_b$b > /dev/null
-  done
+  lm_eval_pair lm_eval_full full
 fi
 if [[ $what == all || $what == scaling ]]; then
   # the scaling table: decode tok/s, prefill time, RSS, ratios to full and DynamicCache, ms per 1k context

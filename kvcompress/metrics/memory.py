@@ -23,18 +23,22 @@ def peak_device_bytes(device) -> int | None:
 def fixed_bytes(cache) -> int:
     """Bytes of per-model constants (low-rank bases) a cache holds: shared by every sequence, so reported
     apart from the per-token bytes."""
-    from kvcompress.storage.buffers import storage_bytes
-
-    return storage_bytes(t for layer in cache.layers for t in layer.store.fixed_tensors())
+    return _store_bytes(cache, "fixed_tensors")
 
 
 def shared_bytes(cache) -> int:
     """Bytes the cache's policy holds outside ``memory_bytes()``, once however many layers share them: the
     pre-RoPE rotary table (``Store.shared_tensors``), shared by every cache of the policy and depending on
     no cached token."""
+    return _store_bytes(cache, "shared_tensors")
+
+
+def _store_bytes(cache, which: str) -> int:
+    """Distinct storage bytes of what every layer's store lists under ``which`` (a tensor shared by layers
+    counts once)."""
     from kvcompress.storage.buffers import storage_bytes
 
-    return storage_bytes(t for layer in cache.layers for t in layer.store.shared_tensors())
+    return storage_bytes(t for layer in cache.layers for t in getattr(layer.store, which)())
 
 
 def read_summary(stats: list[dict]) -> dict:

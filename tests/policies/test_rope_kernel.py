@@ -111,7 +111,7 @@ def _interleaved(q, k, cos, sin):
     return turn(q), turn(k)
 
 
-def test_another_pairing_keeps_the_model_module_path(tokens, tmp_path):
+def test_another_pairing_keeps_the_model_module_path():
     model = make("llama")
     mine = model_ropes(model, 3)[0]
     rope = Rope(mine.rotary, _interleaved)
