@@ -52,10 +52,15 @@ STORAGE_VARIANTS = {
 
 
 def max_memory_ratio(policy: Policy, num_layers: int = 3) -> float:
-    """Bytes a policy may hold over ``full``'s for its own state (the largest its layers declare)."""
+    """Bytes a policy may hold over ``full``'s for its own state (the largest its layers declare): the
+    selector's allowance plus its storage's (pre-RoPE low-rank positions while the tokens are still exact)."""
     from kvcompress.memory_model import layer_policy_of
 
-    return max(type(layer_policy_of(policy, i, num_layers)).MAX_MEMORY_RATIO for i in range(num_layers))
+    def ratio(layer_policy) -> float:
+        storage = getattr(layer_policy, "storage", None)
+        return type(layer_policy).MAX_MEMORY_RATIO + (getattr(storage, "MAX_MEMORY_RATIO", 1.0) - 1.0)
+
+    return max(ratio(layer_policy_of(policy, i, num_layers)) for i in range(num_layers))
 
 
 def _common(**extra):

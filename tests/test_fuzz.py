@@ -129,3 +129,19 @@ def test_fuzz_policy(name):
             assert cache.memory_bytes() - fixed <= full.memory_bytes() * max_memory_ratio(policy)
 
     check()
+
+
+def test_storage_state_adds_to_the_selectors_allowance(tmp_path):
+    """A case the fuzzer found: H2O (score + position per token) over pre-RoPE low-rank storage that still
+    holds both tokens exactly (its residual window) plus their positions: more than H2O's own allowance,
+    within H2O's and the storage's together."""
+    calibration = {"calibration_text": "random", "calibration_tokens": 64, "calibration_dir": str(tmp_path)}
+    storage = {"name": "low_rank", "rank": 1, "residual_length": 2, "basis": "head", **calibration}
+    policy = make_policy("h2o", budget=2, compression_ratio=None, observation_window=1, storage=storage)
+    ids = torch.tensor([[82, 32]])
+    cache, full = build_cache(policy, MODEL), build_cache("full", MODEL)
+    _stream(cache, ids, torch.ones_like(ids), 1)
+    _stream(full, ids, torch.ones_like(ids), 1)
+    fixed = storage_bytes(t for layer in cache.layers for t in layer.store.fixed_tensors())
+    ratio = (cache.memory_bytes() - fixed) / full.memory_bytes()
+    assert type(policy).MAX_MEMORY_RATIO < ratio <= max_memory_ratio(policy)

@@ -32,7 +32,8 @@ class Policy:
     Class attributes read by the generic tests and the memory model, declared next to each policy:
     ``TEST_PARAMS`` (fields that make a 48-token test sequence really compress), ``FUZZ`` (a dict, or a
     list of alternative dicts, of field -> ``(lo, hi)`` range, list of choices, or a value),
-    ``MAX_MEMORY_RATIO`` (bytes allowed over ``full``'s for selector state) and ``evicts``: ``"never"``,
+    ``MAX_MEMORY_RATIO`` (bytes allowed over ``full``'s for selector state; a storage's own allowance adds
+    to it, ``Storage.MAX_MEMORY_RATIO``) and ``evicts``: ``"never"``,
     ``"prefill"`` (only steps of several tokens) or ``"always"`` (decode steps too).
     """
 

@@ -24,13 +24,16 @@ class Storage:
     """Base of storage configs. Subclasses set ``name`` and ``store_class`` and add fields.
 
     Class attributes read by the generic tests: ``TEST_PARAMS`` (small variants that really compress a
-    48-token test sequence) and ``FUZZ`` (field -> ``(lo, hi)`` int range, list of choices, or a value).
+    48-token test sequence), ``FUZZ`` (field -> ``(lo, hi)`` int range, list of choices, or a value) and
+    ``MAX_MEMORY_RATIO`` (bytes allowed over dense storage's for the storage's own per-token state, while it
+    still holds every token exactly; it adds to the selector's allowance).
     """
 
     name: ClassVar[str] = "storage"
     store_class: ClassVar[type] = None
     TEST_PARAMS: ClassVar[list[dict]] = [{}]
     FUZZ: ClassVar[dict] = {}
+    MAX_MEMORY_RATIO: ClassVar[float] = 1.0
     FORMULA: ClassVar[bool] = False  # True in a class whose bytes_for describes it exactly
 
     def __post_init__(self):

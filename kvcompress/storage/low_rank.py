@@ -63,6 +63,7 @@ class LowRankStorage(LowRankChecks, Storage):
 
     name = "low_rank"
     FORMULA = True  # bytes_for below is this class's own
+    MAX_MEMORY_RATIO = 1.04  # pre-RoPE keys: an int32 position per token and KV head, 3.1% of K+V at D=16
     TEST_PARAMS = [
         {
             "rank": 4,
