@@ -14,8 +14,9 @@
 
 namespace {
 
-constexpr int64_t CHUNK = 256;  // tokens per parallel task
-constexpr int64_t MAX_TILE = 16;  // tokens rebuilt, rotated and dotted together (one reduction per query)
+constexpr int64_t CHUNK = 288;  // tokens per parallel task (whole tiles)
+constexpr int64_t MAX_TILE = 48;  // tokens rebuilt, rotated and dotted together (one reduction per query and
+// 16 tokens); a multiple of every register tile below, so only a span's last tile repeats a token
 
 // The inputs of one call, checked, as raw pointers and strides.
 struct Inputs {
@@ -70,11 +71,13 @@ inline void rebuild_scalar(const float* c, int64_t ct, int64_t m, int64_t r, con
 }
 
 #if defined(__AVX512F__)
-// rebuild_scalar() for D = 16 * NR: TILE tokens' accumulators (TILE * NR <= 16 registers) stay in registers
-// over the R components; a token past m repeats the last one's coefficients and is not stored.
-template <int NR>
-void rebuild_wide(const float* c, int64_t ct, int64_t m, int64_t r, const float* w, int64_t ld, float* keys) {
-  constexpr int TILE = 16 / NR;
+// rebuild_scalar() for D = 16 * NR: TILE tokens' accumulators (TILE * NR <= 24 registers, beside the NR
+// decoder rows and a broadcast) stay in registers over the R components, and with a ``rot`` table (cos, sin
+// rows of D / 2 floats by position) they are rotated there before the one store. A token past m repeats the
+// last one's coefficients and is not stored.
+template <int NR, int TILE>
+void rebuild_wide(const float* c, int64_t ct, int64_t m, int64_t r, const float* w, int64_t ld, float* keys,
+                  const int32_t* pos, const float* cs, const float* sn) {
   for (int64_t k0 = 0; k0 < m; k0 += TILE) {
     __m512 acc[TILE][NR];
     const float* row[TILE];
@@ -90,25 +93,37 @@ void rebuild_wide(const float* c, int64_t ct, int64_t m, int64_t r, const float*
         for (int x = 0; x < NR; ++x) acc[k][x] = _mm512_fmadd_ps(cj, wj[x], acc[k][x]);
       }
     }
+    constexpr int H = NR / 2;  // the rotation pairs register x with x + H (half-split pairs, D = 32 * H); as
+    // fmsub/fmadd of one product, the contraction the compiler makes of rotate_rows(): the same bits
+    for (int k = 0; k < TILE && k0 + k < m && cs != nullptr && NR % 2 == 0; ++k)
+      for (int x = 0; x < H; ++x) {
+        const __m512 co = _mm512_loadu_ps(cs + pos[k0 + k] * 8 * NR + 16 * x);
+        const __m512 si = _mm512_loadu_ps(sn + pos[k0 + k] * 8 * NR + 16 * x);
+        const __m512 a = acc[k][x], b = acc[k][x + H];
+        acc[k][x] = _mm512_fmsub_ps(a, co, _mm512_mul_ps(b, si));
+        acc[k][x + H] = _mm512_fmadd_ps(b, co, _mm512_mul_ps(a, si));
+      }
     for (int k = 0; k < TILE && k0 + k < m; ++k)
       for (int x = 0; x < NR; ++x) _mm512_storeu_ps(keys + (k0 + k) * 16 * NR + 16 * x, acc[k][x]);
   }
 }
 
-// Whether rebuild_wide() serves this head_dim, and then runs it.
+// Whether rebuild_wide() serves this head_dim, and then runs it; it also rotates when ``cs`` is given (the
+// table's rows are then D / 2 floats: every channel turns).
 inline bool rebuild_fast(const float* c, int64_t ct, int64_t m, int64_t r, const float* w, int64_t ld,
-                         int64_t d, float* keys) {
+                         int64_t d, float* keys, const int32_t* pos, const float* cs, const float* sn) {
   switch (d) {
-    case 16: rebuild_wide<1>(c, ct, m, r, w, ld, keys); return true;
-    case 32: rebuild_wide<2>(c, ct, m, r, w, ld, keys); return true;
-    case 64: rebuild_wide<4>(c, ct, m, r, w, ld, keys); return true;
-    case 96: rebuild_wide<6>(c, ct, m, r, w, ld, keys); return true;
-    case 128: rebuild_wide<8>(c, ct, m, r, w, ld, keys); return true;
+    case 16: rebuild_wide<1, 16>(c, ct, m, r, w, ld, keys, pos, cs, sn); return true;
+    case 32: rebuild_wide<2, 8>(c, ct, m, r, w, ld, keys, pos, cs, sn); return true;
+    case 64: rebuild_wide<4, 6>(c, ct, m, r, w, ld, keys, pos, cs, sn); return true;
+    case 96: rebuild_wide<6, 3>(c, ct, m, r, w, ld, keys, pos, cs, sn); return true;
+    case 128: rebuild_wide<8, 2>(c, ct, m, r, w, ld, keys, pos, cs, sn); return true;
     default: return false;
   }
 }
 #else
-inline bool rebuild_fast(const float*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*) {
+inline bool rebuild_fast(const float*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*,
+                         const int32_t*, const float*, const float*) {
   return false;
 }
 #endif
@@ -133,8 +148,10 @@ inline void rotate_rows(float* keys, int64_t m, const int32_t* pos, const Inputs
 // out[i * T + k] = q_i . keys[k] for the n queries (rows of D floats) and the m keys.
 inline void dot_rows(const float* keys, int64_t m, const float* q, const Inputs& in, float* out) {
 #if defined(__AVX512F__)
-  if (m == MAX_TILE && in.d % 16 == 0) {  // one transposing reduction per query, no sum per token
-    for (int64_t i = 0; i < in.n; ++i) _mm512_storeu_ps(out + i * in.t, kvc::dots16(q + i * in.d, keys, in.d));
+  if (m % 16 == 0 && in.d % 16 == 0) {  // one transposing reduction per query and 16 tokens
+    for (int64_t k = 0; k < m; k += 16)
+      for (int64_t i = 0; i < in.n; ++i)
+        _mm512_storeu_ps(out + i * in.t + k, kvc::dots16(q + i * in.d, keys + k * in.d, in.d));
     return;
   }
 #endif
@@ -151,11 +168,14 @@ void block_span(const Inputs& in, int64_t x, int64_t blk, int64_t t0, int64_t t1
     const int64_t m = std::min(MAX_TILE, t1 - k0);
     for (int64_t h = 0; h < in.g; ++h) {
       const float* w = in.dect + blk * in.r * gd + h * in.d;  // head h's columns of (R, g * D)
-      if (!rebuild_fast(c + k0 * in.ct, in.ct, m, in.r, w, gd, in.d, keys))
-        rebuild_scalar(c + k0 * in.ct, in.ct, m, in.r, w, gd, in.d, keys);
+      // every channel rotates, in pairs of whole registers: turned in registers during the rebuild
+      const bool turn = 2 * in.half == in.d && in.d % 32 == 0;
+      const bool fast = rebuild_fast(c + k0 * in.ct, in.ct, m, in.r, w, gd, in.d, keys, pos + k0,
+                                     turn ? in.cos : nullptr, in.sin);
+      if (!fast) rebuild_scalar(c + k0 * in.ct, in.ct, m, in.r, w, gd, in.d, keys);
       const float* q = in.q + ((x * in.hk) + blk * in.g + h) * in.n * in.d;  // (n, D) of KV head h
       float* o = out + ((x * in.blocks + blk) * in.g * in.n + h * in.n) * in.t;  // rows h * n.. of g * n
-      rotate_rows(keys, m, pos + k0, in);
+      if (!fast || !turn) rotate_rows(keys, m, pos + k0, in);
       dot_rows(keys, m, q, in, o + k0);
     }
   }
