@@ -56,13 +56,26 @@ def latent_values(probs: torch.Tensor, parts: tuple, decoder: torch.Tensor, n: i
     """``dec_i (sum_t p_ht c_t)``: probs (B, G, g * n, Tc) float32 over the encoded tokens; decoder
     (G, g * D, R) -> (B, H_kv, n, D) float32."""
     coef, scale = _latent(parts)
-    mixed = (probs if scale is None else probs * scale.mT) @ coef  # (B, G, g * n, R)
+    mixed = mix(probs if scale is None else probs * scale.mT, coef)  # (B, G, g * n, R)
     b, blocks = mixed.shape[:2]
     gd, r = decoder.shape[1:]
     g = mixed.shape[2] // n
     d = gd // g
     out = mixed.view(b, blocks, g, n, r) @ decoder.view(blocks, g, d, r).mT  # (B, G, g, n, D)
     return out.view(b, blocks * g, n, d)
+
+
+def mix(probs: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """``probs @ coef``: probs (B, G, m, T), coef (B, G, T, R) float32 -> (B, G, m, R). On a CPU by the C++
+    kernel ``kernels/latent_values.cpp`` where it serves (a BLAS takes about four times as long as reading
+    the latents for so few rows), else by ``matmul``."""
+    if probs.device.type == "cpu" and probs.dtype == coef.dtype == torch.float32:
+        kernel = kernels.load("latent_values")
+        if kernel is not None and probs.stride(-1) == 1 and coef.stride(-1) == 1:
+            out = kernel.latent_mix(probs, coef)  # empty where it does not serve (R % 16, no AVX-512)
+            if out.numel():
+                return out
+    return probs @ coef
 
 
 def residual_logits(q: torch.Tensor, keys: torch.Tensor, blocks: int) -> torch.Tensor:

@@ -17,6 +17,9 @@ gathered copy of the pages (``load("page_attention")``).
 ``rope_latent.cpp`` computes decode logits over pre-RoPE low-rank keys (Palu, arXiv 2407.21118): a few keys
 at a time are rebuilt from their latents in registers, rotated at their positions from a shared cos/sin
 table and dotted with the GQA group's queries (``load("rope_latent")``, ``kvcompress.fused_low_rank``).
+
+``latent_values.cpp`` mixes low-rank latents by the probabilities (``sum_t p_t c_t``, a few rows by T tokens:
+what a BLAS does worst) with each latent read once into register accumulators (``load("latent_values")``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import sys
 import warnings
 from pathlib import Path
 
-KERNELS = ("quant_attention", "page_attention", "rope_latent")
+KERNELS = ("quant_attention", "page_attention", "rope_latent", "latent_values")
 _BUILT: dict[str, dict[str, object]] = {}
 
 
