@@ -8,6 +8,8 @@
 
 #include <algorithm>
 
+#include "vector.h"
+
 namespace {
 
 constexpr int64_t SPAN = 64;  // tokens whose latents stay in L1 while every tile of rows and columns reads them
@@ -67,6 +69,7 @@ inline void rows(const Mix& x, int64_t t0, int64_t t1, int64_t i0) {
 void block(const Mix& x, int64_t m, int64_t t) {
   for (int64_t t0 = 0; t0 < t; t0 += SPAN) {
     const int64_t t1 = std::min(t, t0 + SPAN);
+    if (t1 < t) kvc::prefetch(x.c + t1 * x.cs, std::min(SPAN, t - t1) * x.cs);  // the next span's latents
     int64_t i0 = 0;
     for (; i0 + 4 <= m; i0 += 4) rows<4>(x, t0, t1, i0);
     for (; i0 + 3 <= m; i0 += 3) rows<3>(x, t0, t1, i0);

@@ -18,6 +18,15 @@ inline float dot(const float* a, const float* b, int64_t d) {
   return acc;
 }
 
+// Asks for ``n`` floats from ``p`` on to be brought into L1 ahead of their use. A loop that does much work
+// per byte (rebuilding keys from latents) runs too few loads ahead for the hardware prefetcher to hide
+// memory latency: a tile's inputs are requested while the tile before it computes.
+inline void prefetch(const float* p, int64_t n) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(float)); off += 64)
+    __builtin_prefetch(bytes + off, 0, 3);
+}
+
 #if defined(__AVX512F__)
 
 // r[t] = sum of the 16 lanes of a[t], for 16 registers at once (a transpose that adds as it goes).
