@@ -112,8 +112,8 @@ class ResidualStore(Store):
     def append(self, keys, values, positions=None) -> None:
         for kind, x in zip(KINDS, (keys, values), strict=True):
             if kind in self.kinds:
-                old = self.residual[kind]
-                self.residual[kind] = x if old is None else torch.cat([old, x], dim=2)
+                old = self.residual[kind]  # the step's tensor itself when the window is empty (never written)
+                self.residual[kind] = x if old is None or not old.shape[2] else torch.cat([old, x], dim=2)
         b, h, q, _ = keys.shape
         if self.needs_positions:
             if positions is None:
@@ -149,7 +149,8 @@ class ResidualStore(Store):
         for kind in self.kinds:
             res = self.residual[kind]
             self._extend(kind, self.encode(kind, res[:, :, :n], valid, self._positions(te, te + n)))
-            self.residual[kind] = res[:, :, n:].clone()  # a copy: the encoded tokens' floats are freed
+            rest = res[:, :, n:]  # a copy (or nothing): the encoded tokens' floats are freed
+            self.residual[kind] = rest.clone() if rest.shape[2] else res.new_empty(rest.shape)
 
     def _extend(self, kind: str, new: tuple) -> None:
         """Append newly encoded tokens: with ``grows_in_place`` into a growable buffer (``buffers.Slots``,

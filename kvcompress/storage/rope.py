@@ -64,26 +64,30 @@ class Rope:
         # the model's function rotates a query too: an empty one costs nothing
         return self.apply(flat[:, :0], flat, cos, sin)[1].view(b, h, n, d)
 
-    def _rows(self, positions: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """cos, sin (B * h, n, rotary dims / 2) from the shared table, or None where it does not serve (not
-        a CPU, another pairing, a position it does not hold yet): the model's module is asked then."""
+    def _rows(self, positions: torch.Tensor, width: int, inverse: bool):
+        """cos, sin (B * h, n, rotary dims / 2) from the shared table (its inverse rows with ``inverse``), or
+        None where it does not serve (not a CPU, another pairing, a position it does not hold yet): the
+        model's module is asked then."""
         if positions.device.type != "cpu" or not self.fits_kernel(width):
             return None
         rows, n = positions.numel() // positions.shape[-1], positions.shape[-1]
         flat = positions.reshape(-1)
-        cos, sin = self.table.covering(1)
+        self.table.covering(1)
+        cos, sin = self.table.inverse() if inverse else (self.table.cos, self.table.sin)
         try:  # index_select refuses a negative position too (no wrapping)
             return cos.index_select(0, flat).view(rows, n, -1), sin.index_select(0, flat).view(rows, n, -1)
         except IndexError:  # past the table: the decode kernel extends it as the sequence grows
             return None
 
     def _turn(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool) -> torch.Tensor:
-        rows = self._rows(positions, x.shape[-1])
-        cos, sin = self._cos_sin(positions) if rows is None else rows
+        rows = self._rows(positions, x.shape[-1], inverse)
+        if rows is not None:
+            return self._apply(x, *rows, halves=True)
+        cos, sin = self._cos_sin(positions)
         if inverse:
             norm = cos * cos + sin * sin  # 1 for plain RoPE; YaRN scales both by its attention factor
             cos, sin = cos / norm, -sin / norm
-        return self._apply(x, cos, sin, halves=rows is not None)
+        return self._apply(x, cos, sin)
 
     def rotate_by_module(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``rotate`` through the model's own rotary module and function (the table's reference)."""

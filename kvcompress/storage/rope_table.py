@@ -28,6 +28,7 @@ class RopeTable:
     def __init__(self, cos_sin):
         self._cos_sin = cos_sin  # positions (1, 1, n) -> cos, sin (1, n, rotary_dim) float32
         self.cos = self.sin = None
+        self._inverse: tuple[torch.Tensor, torch.Tensor] | None = None  # of the current rows, made on demand
         self.pairs_halves = True  # cos/sin repeat their first half: the pairs are (e, e + rotary_dim / 2)
 
     @property
@@ -41,6 +42,15 @@ class RopeTable:
             self._fill(-(-grown // STEP) * STEP)
         return self.cos, self.sin
 
+    def inverse(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows that turn a key back, ``cos / n`` and ``-sin / n`` with ``n = cos^2 + sin^2`` (1 for
+        plain RoPE; YaRN scales both by its attention factor): computed once per table size instead of for
+        every encoded key (each decode step un-rotates one key per layer)."""
+        if self._inverse is None or self._inverse[0].shape[0] != self.length:
+            norm = self.cos * self.cos + self.sin * self.sin
+            self._inverse = self.cos / norm, -self.sin / norm
+        return self._inverse
+
     def _fill(self, rows: int) -> None:
         positions = torch.arange(rows, dtype=torch.int32).view(1, 1, rows)
         cos, sin = (t[0] for t in self._cos_sin(positions))  # (P, rotary_dim)
@@ -50,7 +60,8 @@ class RopeTable:
         self.cos, self.sin = cos[:, :half].contiguous(), sin[:, :half].contiguous()
 
     def tensors(self) -> list[torch.Tensor]:
-        return [] if self.cos is None else [self.cos, self.sin]
+        tables = [] if self.cos is None else [self.cos, self.sin]
+        return tables + ([] if self._inverse is None else list(self._inverse))
 
 
 def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -153,7 +153,7 @@ def test_the_table_is_shared_by_the_layers_and_reported_apart_from_the_cache(tok
     assert len({id(layer.store.rope.table) for layer in cache.layers}) == 1
     table = cache.layers[0].store.rope.table
     assert table.length == rope_table.STEP
-    table_bytes = 2 * table.cos.numel() * 4  # cos and sin, float32
+    table_bytes = 4 * table.cos.numel() * 4  # cos and sin and their inverse rows (encoding), float32
     assert [s["rope_table_bytes"] for s in cache.stats()] == [table_bytes] * 3
     assert shared_bytes(cache) == table_bytes  # once for the three layers sharing it
     held = [t for layer in cache.layers for t in layer.tensors()]
@@ -189,4 +189,15 @@ def test_rotations_read_from_the_table_equal_the_models_module(family):
         want = rope.rotate_by_module(x, pos)
         assert torch.equal(rope.rotate(x, pos), want)
         torch.testing.assert_close(rope.unrotate(want, pos), x, rtol=1e-5, atol=1e-5)
-    assert rope._rows(inside, 16) is not None and rope._rows(inside + 5000, 16) is None
+    assert rope._rows(inside, 16, inverse=False) is not None and rope._rows(inside + 5000, 16, True) is None
+
+
+def test_inverse_rows_follow_the_table_as_it_grows():
+    """Encoding un-rotates with rows computed once per table size: exactly the per-key inverse."""
+    table = model_ropes(make("llama"), 3)[0].table
+    for stop in (10, 3 * rope_table.STEP):
+        cos, sin = table.covering(stop)
+        inv_cos, inv_sin = table.inverse()
+        norm = cos * cos + sin * sin
+        assert inv_cos.shape == cos.shape
+        assert torch.equal(inv_cos, cos / norm) and torch.equal(inv_sin, -sin / norm)
