@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from kvcompress import packed_linears
 from kvcompress.cache import make_policy
 from kvcompress.loggers import make_logger
 from kvcompress.models import load_model
@@ -63,12 +64,14 @@ def _execute(cfg: DictConfig, record: dict, out_dir: Path) -> dict:
     record["selector"], record["storage"] = policy.selector, _storage_name(policy)
     task = _task_fn(cfg.task)
     seed_everything(cfg.get("seed", 0))
+    packed_linears.check(cfg.model.get("linears"))
     model, tok = load_model(cfg.model.name, dtype=cfg.model.get("dtype"), device=cfg.model.get("device"))
     if cfg.model.get("attn_backend"):
         from kvcompress.attention import set_backend
 
         set_backend(model, cfg.model.attn_backend)
-    record["environment"] = environment(model)
+    packed = packed_linears.apply(model, cfg.model.get("linears"))
+    record["environment"] = environment(model) | {"packed_linears": packed}
     extra = {"out_dir": Path(out_dir)} if "out_dir" in inspect.signature(task).parameters else {}
     return task(model, tok, policy, cfg.task, **extra)
 

@@ -60,10 +60,10 @@ if [[ $what == all || $what == evict ]]; then
 fi
 if [[ $what == all || $what == lm_eval ]]; then
   # lm-eval kvc_essays_ppl, --limit 8, chunk_size 1 (exact decode mode): batch 8, then batch 1, of one policy
-  lm_eval_pair() {  # NAME POLICY: records $R/NAME_b8 and $R/NAME_b1
+  lm_eval_pair() {  # NAME POLICY [OVERRIDE...]: records $R/NAME_b8 and $R/NAME_b1
     for b in 8 1; do
       done_ok $R/${1}_b$b/results.json || $PY -m kvcompress task=lm_eval task.limit=8 task.chunk_size=1 \
-        task.batch_size=$b policy=$2 hydra.run.dir=$R/${1}_b$b > /dev/null
+        task.batch_size=$b policy=$2 "${@:3}" hydra.run.dir=$R/${1}_b$b > /dev/null
     done
   }
   lm_eval_pair lm_eval sliding_window
@@ -75,6 +75,9 @@ if [[ $what == all || $what == lm_eval ]]; then
   lm_eval_pair lm_eval_last sliding_window
   # the same with full: sliding_window copied its window at every step, a cost that grows with the batch
   lm_eval_pair lm_eval_full full
+  # both batch sizes on linears packed once for oneDNN (model.linears=packed): the BLAS repacked every weight
+  # at every 8-row decode step, a third of the batch-8 run
+  lm_eval_pair lm_eval_packed sliding_window model.linears=packed
 fi
 if [[ $what == all || $what == scaling ]]; then
   # the scaling table: decode tok/s, prefill time, RSS, ratios to full and DynamicCache, ms per 1k context
