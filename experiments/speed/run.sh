@@ -48,6 +48,10 @@ if [[ $what == all || $what == paired ]]; then
     --paired $TARGETS_4K
   [ -f $F/decode_8k_paired.json ] || $PY $F/decode_speed.py $F/decode_8k_paired.json 8000 10 4 --paired full \
     int4_kernel int8_kernel int2_kernel
+  # every target once more after the low-rank kernel cuts (pre-RoPE keys turned in registers, the next tile's
+  # latents prefetched, the probabilities' mix of latents in C++, inverse rotation rows once per table)
+  [ -f $F/decode_4k_paired_kernels.json ] || $PY $F/decode_speed.py $F/decode_4k_paired_kernels.json 4096 12 \
+    6 --paired $TARGETS_4K
 fi
 if [[ $what == all || $what == evict ]]; then
   # every eviction policy at ratio 0.5 (each prefills 4k tokens itself: scores decide what stays)

@@ -20,6 +20,7 @@ from lm_eval.models.huggingface import HFLM
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
+from kvcompress import packed_linears
 from kvcompress.attention import set_backend
 from kvcompress.cache import CONF_DIR, build_cache, known_policies, make_policy
 from kvcompress.calibration_text import cache_spans
@@ -81,15 +82,20 @@ class KVCompressLM(CalibrationGuard, HFLM):
         policy: a name from ``conf/policy/`` (its fields are model args too), a ``Policy`` or a config dict.
         chunk_size: tokens per forward when streaming log-likelihood requests (1 = exact decode mode).
         attn_backend: kernel behind kvcompress's attention function (``sdpa`` or ``eager``).
+        linears: ``"packed"`` runs the model's linear layers on oneDNN with weights packed once (CPU,
+            float32; ``kvcompress.packed_linears``), ``None`` or ``"default"`` leaves them.
         **kwargs: ``hf`` model args (``max_length``, ``dtype``, ``batch_size``...) and policy fields.
             ``batch_size`` requests stream together (``kvcompress.eval.batching``: each row scores as alone).
     """
 
-    def __init__(self, pretrained=DEFAULT_MODEL, policy="full", chunk_size=1, attn_backend=None, **kwargs):
+    def __init__(
+        self, pretrained=DEFAULT_MODEL, policy="full", chunk_size=1, attn_backend=None, linears=None, **kwargs
+    ):
         policy, kwargs = split_policy_args(policy, kwargs)
         if int(chunk_size) < 1:
             raise ValueError(f"chunk_size={chunk_size} must be an integer >= 1")
         check_batch_size(kwargs.get("batch_size", 1))
+        packed_linears.check(linears)
         if isinstance(pretrained, str):
             pretrained, kwargs = resolve_pretrained(pretrained, kwargs)
         kwargs["device"] = str(kwargs.get("device") or resolve_device(None))
@@ -97,6 +103,7 @@ class KVCompressLM(CalibrationGuard, HFLM):
         self.policy, self.chunk_size = policy, int(chunk_size)
         if attn_backend:
             set_backend(self.model, attn_backend)
+        packed_linears.apply(self.model, linears)  # a model handed in packed already is left as it is
         cache = build_cache(policy, self.model)  # validates the policy, installs the attention hook
         self.calibration_ranges = cache_spans(cache)  # documents reading these are refused
         self.kvc_stats = {**_counters(), "chunk_size": self.chunk_size, "forward_calls": 0}

@@ -36,11 +36,21 @@ class H2OLayer(EvictionLayer):
 
     def observe_attention(self, query, key, scaling: float, probs=None) -> None:
         self.acc += self.scores(query, key, scaling, self.policy.observation_window, probs).sum(dim=2)
-        k = self.target()
-        if self.stored_length() > k:
+        k, t = self.target(), self.stored_length()
+        if t > k:
             recent = k // 2 if self.policy.recent is None else self.policy.recent
             protected = self.pos >= self.seen - recent  # the `recent` newest positions, wherever stored
-            self.select(self.acc, k, pinned=protected)
+            if not (t - k == 1 and recent < t and self._drop_lowest(protected)):
+                self.select(self.acc, k, pinned=protected)
+
+    def _drop_lowest(self, protected: torch.Tensor) -> bool:
+        """A decode step's one eviction: the unprotected token of lowest score leaves, in place. ``select``'s
+        choice (ties: the first stored) in float32 without its float64 priorities: positions are distinct,
+        so with ``recent < T`` some token is unprotected. False, doing nothing, where ``select`` must decide
+        (padding stored, chunk units, storage that cannot move a token)."""
+        if self.valid is not None or self.unit == "chunk":
+            return False
+        return self.drop_one(self.acc.masked_fill(protected, torch.inf).argmin(dim=-1, keepdim=True))
 
     def token_order(self, t: int, device) -> torch.Tensor:
         return self.pos.double()  # stored order is not sequence order after an in-place eviction

@@ -137,3 +137,18 @@ def test_documents_that_read_calibration_text_are_refused(fake_cache, tiny_check
             task_manager=task_manager(["kvc_essays_ppl"]),
             bootstrap_iters=0,
         )
+
+
+def test_packed_linears_model_arg_packs_and_keeps_the_logits(window_lm, tiny_checkpoint):
+    from kvcompress import packed_linears
+
+    if packed_linears.unavailable(window_lm.model) is not None:
+        pytest.skip("no oneDNN linear in this torch build")
+    args = {"pretrained": str(tiny_checkpoint), "device": "cpu", "policy": "sliding_window", "sink_tokens": 2}
+    packed = KVCompressLM(**args, window=8, chunk_size=5, linears="packed")
+    assert not any(type(m) is torch.nn.Linear for m in packed.model.modules())
+    assert any(type(m) is torch.nn.Linear for m in window_lm.model.modules())
+    ids = torch.randint(2, 90, (3, 17), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(packed._model_call(ids), window_lm._model_call(ids), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="model.linears='fast' is unknown"):
+        KVCompressLM(**args, linears="fast")

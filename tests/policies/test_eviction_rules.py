@@ -80,3 +80,30 @@ def test_tova_drops_what_the_current_query_attends_to_least_averaged_over_heads(
     step(layer, 8, 9, queries([[{5: 8.0, 2: 4.0, 6: 2.0, 8: 1.0}] * 2]))
     assert kept(layer) == [[[2, 5, 6, 8]] * 2]  # token 7 now gets the least attention
     assert layer.valid is None and layer.evicted == 5
+
+
+def test_h2o_decode_drop_is_selects_choice_ties_included():
+    """A decode step's one eviction (float32 scores, protected tokens masked) picks what ``select``'s float64
+    priorities pick: the same positions stay at every step, with keys drawn from four vectors (many tied
+    scores), past 128 tokens (where the eviction is in place)."""
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(4, D, generator=gen)[torch.randint(0, 4, (1, 2, 200), generator=gen)]  # (1, 2, 200, D)
+    qs = torch.randn(40, 1, 2, 1, D, generator=gen)
+    runs, fast = {}, []
+    for name in ("fast", "select"):
+        layer = H2OPolicy(budget=150, recent=20, window=2).layer(0, SPEC)
+        if name == "select":
+            layer._drop_lowest = lambda protected: False
+        else:
+            drop = layer._drop_lowest
+            layer._drop_lowest = lambda protected, _f=drop: fast.append(_f(protected)) or fast[-1]
+        attention._STATE.padding = None
+        k, _ = layer.update(keys[:, :, :160], keys[:, :, :160].clone())
+        layer.observe_attention(qs[0].expand(-1, -1, 2, -1), k, 1.0)
+        runs[name] = []
+        for i, q in enumerate(qs):
+            k, _ = layer.update(keys[:, :, 160 + i : 161 + i], keys[:, :, 160 + i : 161 + i].clone())
+            layer.observe_attention(q, k, 1.0)
+            runs[name].append(layer.pos.sort(dim=-1).values.tolist())
+    assert runs["fast"] == runs["select"]
+    assert len(fast) == 40 and all(fast)  # every decode step took the fast drop
