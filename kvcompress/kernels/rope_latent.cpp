@@ -218,6 +218,64 @@ std::tuple<torch::Tensor, int64_t> rope_logits(torch::Tensor q, torch::Tensor co
   return {out, 0};
 }
 
+namespace {
+
+// One key's half-split pairs turned by cos/sin rows (half floats each): a' = a c - b s, b' = b c + a s, each
+// product and sum rounded on its own as torch's rope_table.rotate_halves() rounds them (no fused multiply-add:
+// the same bits). Channels past 2 * half are copied.
+__attribute__((optimize("fp-contract=off"))) void turn_row(const float* x, const float* c, const float* s,
+                                                            int64_t half, int64_t d, float* out) {
+  int64_t e = 0;
+#if defined(__AVX512F__)
+  for (; e + 16 <= half; e += 16) {
+    const __m512 a = _mm512_loadu_ps(x + e), b = _mm512_loadu_ps(x + half + e);
+    const __m512 co = _mm512_loadu_ps(c + e), si = _mm512_loadu_ps(s + e);
+    _mm512_storeu_ps(out + e, _mm512_sub_ps(_mm512_mul_ps(a, co), _mm512_mul_ps(b, si)));
+    _mm512_storeu_ps(out + half + e, _mm512_add_ps(_mm512_mul_ps(b, co), _mm512_mul_ps(a, si)));
+  }
+#endif
+  for (; e < half; ++e) {
+    const float ac = x[e] * c[e], bs = x[half + e] * s[e], bc = x[half + e] * c[e], as = x[e] * s[e];
+    out[e] = ac - bs;
+    out[half + e] = bc + as;
+  }
+  for (e = 2 * half; e < d; ++e) out[e] = x[e];
+}
+
+}  // namespace
+
+// x (B, H, n, D) float32 contiguous; positions (B, h, n) int32 contiguous, h dividing H (row r of a block of
+// H / h heads); cos, sin (P, half) rows by position (the inverse rows to un-rotate). Returns the turned keys
+// (B, H, n, D), or an empty tensor when a position has no row (the caller uses the model's module instead).
+torch::Tensor turn_keys(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 4 && x.is_contiguous() && x.device().is_cpu(),
+              "x: expected a contiguous float32 CPU tensor (B, H, n, D)");
+  TORCH_CHECK(positions.scalar_type() == at::kInt && positions.dim() == 3 && positions.is_contiguous() &&
+                  positions.size(0) == x.size(0) && positions.size(2) == x.size(2) && positions.size(1) > 0 &&
+                  x.size(1) % positions.size(1) == 0,
+              "positions: expected contiguous int32 (B, h, n), h dividing x's H");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.is_contiguous() &&
+                  sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat && sin.is_contiguous() &&
+                  2 * cos.size(1) <= x.size(3),
+              "cos, sin: expected contiguous float32 (P, half) tables of one shape, half <= D / 2");
+  const int64_t b = x.size(0), hk = x.size(1), n = x.size(2), d = x.size(3), h = positions.size(1);
+  const int64_t rows = cos.size(0), half = cos.size(1);
+  const int32_t* pos = positions.data_ptr<int32_t>();
+  for (int64_t i = 0; i < positions.numel(); ++i)
+    if (pos[i] < 0 || pos[i] >= rows) return torch::empty({0}, x.options());
+  auto out = torch::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t bi = 0; bi < b; ++bi)
+    for (int64_t hi = 0; hi < hk; ++hi)
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t p = pos[(bi * h + hi / (hk / h)) * n + t], at = ((bi * hk + hi) * n + t) * d;
+        turn_row(xp + at, cp + p * half, sp + p * half, half, d, op + at);
+      }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_logits", &rope_logits, "decode logits over pre-RoPE low-rank keys, rebuilt and rotated in place");
+  m.def("turn_keys", &turn_keys, "keys turned by cos/sin rows at their positions (half-split pairs)");
 }

@@ -62,13 +62,17 @@ class LowRankStore(ResidualStore):
         self.needs_positions = config.keys == "pre_rope" and "keys" in kinds  # also on NoPE layers: bytes
         self.dtype = None  # of the model's keys: coefficients and scales are stored in it
         self.kernel_steps = 0  # decode steps whose pre-RoPE logits the C++ kernel computed
+        self._maps_on: torch.device | None = None  # where the maps were last checked to be (any other device
+        # a step's keys arrive on is checked again)
 
     def append(self, keys, values, positions=None) -> None:
         first = keys if "keys" in self.kinds else values
         self.dtype = first.dtype
-        if any(t.device != first.device for t in self.fixed_tensors()):
-            for maps in (self.encoder, self.decoder):
-                maps.update({k: t.to(first.device) for k, t in maps.items()})
+        if first.device != self._maps_on:  # checked once per device, not at every step
+            if any(t.device != first.device for t in self.fixed_tensors()):
+                for maps in (self.encoder, self.decoder):
+                    maps.update({k: t.to(first.device) for k, t in maps.items()})
+            self._maps_on = first.device
         super().append(keys, values, positions)
 
     def encode(self, kind, x, valid=None, positions=None):

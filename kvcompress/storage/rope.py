@@ -18,6 +18,7 @@ import sys
 
 import torch
 
+from kvcompress import kernels
 from kvcompress.storage import rope_table
 from kvcompress.storage.rope_table import RopeTable
 
@@ -79,7 +80,25 @@ class Rope:
         except IndexError:  # past the table: the decode kernel extends it as the sequence grows
             return None
 
+    def _by_kernel(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool) -> torch.Tensor | None:
+        """``_turn`` by the C++ kernel (``rope_latent.turn_keys``: the table's rows, the same products and
+        sums as ``rotate_halves``, one call instead of a dozen tensor ops per encoded key), or None where it
+        does not serve (not a CPU, another pairing, a position the table does not hold, no compiler)."""
+        if positions.device.type != "cpu" or not self.fits_kernel(x.shape[-1]):
+            return None
+        kernel = kernels.load("rope_latent")
+        if kernel is None:
+            return None
+        self.table.covering(1)
+        cos, sin = self.table.inverse() if inverse else (self.table.cos, self.table.sin)
+        pos = positions.to(torch.int32).contiguous()
+        out = kernel.turn_keys(x.float().contiguous(), pos, cos, sin)
+        return out if out.numel() else None
+
     def _turn(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool) -> torch.Tensor:
+        turned = self._by_kernel(x, positions, inverse) if x.numel() else None
+        if turned is not None:
+            return turned
         rows = self._rows(positions, x.shape[-1], inverse)
         if rows is not None:
             return self._apply(x, *rows, halves=True)

@@ -201,3 +201,17 @@ def test_inverse_rows_follow_the_table_as_it_grows():
         norm = cos * cos + sin * sin
         assert inv_cos.shape == cos.shape
         assert torch.equal(inv_cos, cos / norm) and torch.equal(inv_sin, -sin / norm)
+
+
+@pytest.mark.parametrize("d", [16, 64, 96])
+def test_keys_turned_by_the_kernel_have_the_tensor_forms_bits(d):
+    """Encoding un-rotates each key with ``turn_keys``: the bits of ``rotate_halves`` on the table's rows
+    (vector and scalar channels), both directions, a block's heads sharing their row's positions."""
+    rope = rope_of(d)
+    gen = torch.Generator().manual_seed(d)
+    x = torch.randn(2, 4, 5, d, generator=gen) * 10
+    pos = torch.randint(0, 1000, (2, 2, 5), generator=gen, dtype=torch.int32)
+    for inverse in (False, True):
+        got = rope._by_kernel(x, pos, inverse)
+        assert got is not None and torch.equal(got, rope._apply(x, *rope._rows(pos, d, inverse), halves=True))
+    assert rope._by_kernel(x, pos + 5000, False) is None  # past the table: the model's module then
