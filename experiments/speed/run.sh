@@ -52,6 +52,10 @@ if [[ $what == all || $what == paired ]]; then
   # latents prefetched, the probabilities' mix of latents in C++, inverse rotation rows once per table)
   [ -f $F/decode_4k_paired_kernels.json ] || $PY $F/decode_speed.py $F/decode_4k_paired_kernels.json 4096 12 \
     6 --paired $TARGETS_4K
+  # and after the overhead cuts that followed (pre-RoPE keys un-rotated by one C++ call per layer and step,
+  # H2O's decode eviction by one float32 argmin)
+  [ -f $F/decode_4k_paired_cuts.json ] || $PY $F/decode_speed.py $F/decode_4k_paired_cuts.json 4096 12 6 \
+    --paired $TARGETS_4K
 fi
 if [[ $what == all || $what == evict ]]; then
   # every eviction policy at ratio 0.5 (each prefills 4k tokens itself: scores decide what stays)
