@@ -56,6 +56,8 @@ if [[ $what == all || $what == paired ]]; then
   # H2O's decode eviction by one float32 argmin)
   [ -f $F/decode_4k_paired_cuts.json ] || $PY $F/decode_speed.py $F/decode_4k_paired_cuts.json 4096 12 6 \
     --paired $TARGETS_4K
+  [ -f $F/decode_4k_paired_cuts2.json ] || $PY $F/decode_speed.py $F/decode_4k_paired_cuts2.json 4096 12 6 \
+    --paired $TARGETS_4K  # the same run again: how far a median moves between runs
 fi
 if [[ $what == all || $what == evict ]]; then
   # every eviction policy at ratio 0.5 (each prefills 4k tokens itself: scores decide what stays)
@@ -86,6 +88,7 @@ if [[ $what == all || $what == lm_eval ]]; then
   # both batch sizes on linears packed once for oneDNN (model.linears=packed): the BLAS repacked every weight
   # at every 8-row decode step, a third of the batch-8 run
   lm_eval_pair lm_eval_packed sliding_window model.linears=packed
+  lm_eval_pair lm_eval_packed2 sliding_window model.linears=packed  # the same pair again: the noise
 fi
 if [[ $what == all || $what == scaling ]]; then
   # the scaling table: decode tok/s, prefill time, RSS, ratios to full and DynamicCache, ms per 1k context

@@ -97,8 +97,8 @@ void rebuild_wide(const float* c, int64_t ct, int64_t m, int64_t r, const float*
     // fmsub/fmadd of one product, the contraction the compiler makes of rotate_rows(): the same bits
     for (int k = 0; k < TILE && k0 + k < m && cs != nullptr && NR % 2 == 0; ++k)
       for (int x = 0; x < H; ++x) {
-        const __m512 co = _mm512_loadu_ps(cs + pos[k0 + k] * 8 * NR + 16 * x);
-        const __m512 si = _mm512_loadu_ps(sn + pos[k0 + k] * 8 * NR + 16 * x);
+        const __m512 co = _mm512_loadu_ps(cs + static_cast<int64_t>(pos[k0 + k]) * 8 * NR + 16 * x);
+        const __m512 si = _mm512_loadu_ps(sn + static_cast<int64_t>(pos[k0 + k]) * 8 * NR + 16 * x);
         const __m512 a = acc[k][x], b = acc[k][x + H];
         acc[k][x] = _mm512_fmsub_ps(a, co, _mm512_mul_ps(b, si));
         acc[k][x + H] = _mm512_fmadd_ps(b, co, _mm512_mul_ps(a, si));
