@@ -46,7 +46,7 @@ class RopeTable:
         """The rows that turn a key back, ``cos / n`` and ``-sin / n`` with ``n = cos^2 + sin^2`` (1 for
         plain RoPE; YaRN scales both by its attention factor): computed once per table size instead of for
         every encoded key (each decode step un-rotates one key per layer)."""
-        if self._inverse is None or self._inverse[0].shape[0] != self.length:
+        if self._inverse is None:
             norm = self.cos * self.cos + self.sin * self.sin
             self._inverse = self.cos / norm, -self.sin / norm
         return self._inverse
@@ -58,6 +58,7 @@ class RopeTable:
         repeated = [torch.equal(t[:, :half], t[:, half:]) for t in (cos, sin)]
         self.pairs_halves = all(repeated)
         self.cos, self.sin = cos[:, :half].contiguous(), sin[:, :half].contiguous()
+        self._inverse = None  # made again for the new rows on demand (the old ones are freed)
 
     def tensors(self) -> list[torch.Tensor]:
         tables = [] if self.cos is None else [self.cos, self.sin]
