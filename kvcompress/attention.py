@@ -128,8 +128,9 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
         with TIMER.measure():
             key, value = layer.read_deferred()
     wants = layer is not None and layer.wants_scores
+    grouped = wants or getattr(layer, "grouped_decode", False)
     probs = None
-    if wants and query.shape[2] == 1 and attention_mask is None and _fusable(module, kwargs):
+    if grouped and query.shape[2] == 1 and attention_mask is None and _fusable(module, kwargs):
         out, probs = decode_attention(query, key, value, scaling)  # one pass gives output and scores
     elif backend_of(module.config) == "eager":
         out, _ = model_eager(module)(

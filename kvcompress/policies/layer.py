@@ -23,6 +23,7 @@ class PolicyLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
     wants_scores = False
+    grouped_decode = False  # one decode query attends through ``fused.decode_attention`` even without scores
     order_free = False  # True: no decision depends on stored order, so evicting one token may reorder
     needs_positions = False  # track each stored token's absolute position (``pos``) even on full layers
     contiguous = False  # stored tokens are always the latest ones in order (positions need no tracking)

@@ -253,3 +253,24 @@ def test_speed_counts_the_context_pass_in_the_prefill(model):
     got = measure_speed(model, _ids(40), make, 2, warmup=0, repeats=1, progress=False,
                         after_prefill=after_prefill(model))  # fmt: skip
     assert got["cache_bytes_after_decode"] == 3 * 2 * 2 * 14 * 16 * 4  # 12 kept + 2 decoded per layer
+
+
+@torch.inference_mode()
+def test_decode_after_the_context_pass_attends_grouped_with_sdpas_logits(model, monkeypatch):
+    """After the pass a decode query attends through kvcompress's grouped attention (as the other eviction
+    layers do; faster than SDPA on a CPU), with SDPA's logits up to float rounding."""
+    calls = []
+    grouped = attention.decode_attention
+    monkeypatch.setattr(attention, "decode_attention", lambda *a: calls.append(1) or grouped(*a))
+    ids, steps = _ids(40), _ids(4, seed=5)
+    logits = {}
+    for mode in (True, False):
+        cache = build_cache("kvzip", model, **KVzipPolicy.TEST_PARAMS)
+        prefill(model, cache, ids)
+        assert all(layer.evicted > 0 for layer in cache.layers)
+        for layer in cache.layers:
+            layer.grouped_decode = mode
+        calls.clear()
+        logits[mode] = torch.cat([model(steps[:, i : i + 1], cache=cache).logits for i in range(4)], dim=1)
+        assert len(calls) == (4 * len(cache.layers) if mode else 0)
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
