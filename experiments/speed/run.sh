@@ -58,6 +58,9 @@ if [[ $what == all || $what == paired ]]; then
     --paired $TARGETS_4K
   [ -f $F/decode_4k_paired_cuts2.json ] || $PY $F/decode_speed.py $F/decode_4k_paired_cuts2.json 4096 12 6 \
     --paired $TARGETS_4K  # the same run again: how far a median moves between runs
+  # every target after kvzip's decode moved to the grouped attention (as the other eviction layers)
+  [ -f $F/decode_4k_paired_grouped.json ] || $PY $F/decode_speed.py $F/decode_4k_paired_grouped.json 4096 12 \
+    6 --paired $TARGETS_4K
 fi
 if [[ $what == all || $what == evict ]]; then
   # every eviction policy at ratio 0.5 (each prefills 4k tokens itself: scores decide what stays)
