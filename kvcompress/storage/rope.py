@@ -65,34 +65,36 @@ class Rope:
         # the model's function rotates a query too: an empty one costs nothing
         return self.apply(flat[:, :0], flat, cos, sin)[1].view(b, h, n, d)
 
-    def _rows(self, positions: torch.Tensor, width: int, inverse: bool):
-        """cos, sin (B * h, n, rotary dims / 2) from the shared table (its inverse rows with ``inverse``), or
-        None where it does not serve (not a CPU, another pairing, a position it does not hold yet): the
-        model's module is asked then."""
+    def _table(self, positions: torch.Tensor, width: int, inverse: bool):
+        """The shared table's cos, sin (P, rotary dims / 2), its inverse rows with ``inverse``; None where it
+        does not serve (not a CPU, another pairing): the model's module is asked then."""
         if positions.device.type != "cpu" or not self.fits_kernel(width):
+            return None
+        self.table.covering(1)
+        return self.table.inverse() if inverse else (self.table.cos, self.table.sin)
+
+    def _rows(self, positions: torch.Tensor, width: int, inverse: bool):
+        """cos, sin (B * h, n, rotary dims / 2) of ``positions`` from the shared table (``_table``), or None
+        where it does not serve or does not hold a position yet."""
+        table = self._table(positions, width, inverse)
+        if table is None:
             return None
         rows, n = positions.numel() // positions.shape[-1], positions.shape[-1]
         flat = positions.reshape(-1)
-        self.table.covering(1)
-        cos, sin = self.table.inverse() if inverse else (self.table.cos, self.table.sin)
         try:  # index_select refuses a negative position too (no wrapping)
-            return cos.index_select(0, flat).view(rows, n, -1), sin.index_select(0, flat).view(rows, n, -1)
+            return tuple(t.index_select(0, flat).view(rows, n, -1) for t in table)
         except IndexError:  # past the table: the decode kernel extends it as the sequence grows
             return None
 
     def _by_kernel(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool) -> torch.Tensor | None:
         """``_turn`` by the C++ kernel (``rope_latent.turn_keys``: the table's rows, the same products and
         sums as ``rotate_halves``, one call instead of a dozen tensor ops per encoded key), or None where it
-        does not serve (not a CPU, another pairing, a position the table does not hold, no compiler)."""
-        if positions.device.type != "cpu" or not self.fits_kernel(x.shape[-1]):
-            return None
-        kernel = kernels.load("rope_latent")
+        does not serve (``_table``, a position the table does not hold, no compiler)."""
+        table = self._table(positions, x.shape[-1], inverse)
+        kernel = None if table is None else kernels.load("rope_latent")
         if kernel is None:
             return None
-        self.table.covering(1)
-        cos, sin = self.table.inverse() if inverse else (self.table.cos, self.table.sin)
-        pos = positions.to(torch.int32).contiguous()
-        out = kernel.turn_keys(x.float().contiguous(), pos, cos, sin)
+        out = kernel.turn_keys(x.float().contiguous(), positions.to(torch.int32).contiguous(), *table)
         return out if out.numel() else None
 
     def _turn(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool) -> torch.Tensor:
@@ -103,10 +105,7 @@ class Rope:
         if rows is not None:
             return self._apply(x, *rows, halves=True)
         cos, sin = self._cos_sin(positions)
-        if inverse:
-            norm = cos * cos + sin * sin  # 1 for plain RoPE; YaRN scales both by its attention factor
-            cos, sin = cos / norm, -sin / norm
-        return self._apply(x, cos, sin)
+        return self._apply(x, *(rope_table.inverted(cos, sin) if inverse else (cos, sin)))
 
     def rotate_by_module(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``rotate`` through the model's own rotary module and function (the table's reference)."""

@@ -43,12 +43,10 @@ class RopeTable:
         return self.cos, self.sin
 
     def inverse(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows that turn a key back, ``cos / n`` and ``-sin / n`` with ``n = cos^2 + sin^2`` (1 for
-        plain RoPE; YaRN scales both by its attention factor): computed once per table size instead of for
-        every encoded key (each decode step un-rotates one key per layer)."""
+        """The rows that turn a key back (``inverted``), computed once per table size instead of for every
+        encoded key (each decode step un-rotates one key per layer)."""
         if self._inverse is None:
-            norm = self.cos * self.cos + self.sin * self.sin
-            self._inverse = self.cos / norm, -self.sin / norm
+            self._inverse = inverted(self.cos, self.sin)
         return self._inverse
 
     def _fill(self, rows: int) -> None:
@@ -63,6 +61,13 @@ class RopeTable:
     def tensors(self) -> list[torch.Tensor]:
         tables = [] if self.cos is None else [self.cos, self.sin]
         return tables + ([] if self._inverse is None else list(self._inverse))
+
+
+def inverted(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos/sin that undo a rotation by ``cos``/``sin``: ``cos / n`` and ``-sin / n`` with
+    ``n = cos^2 + sin^2`` (1 for plain RoPE; YaRN scales both by its attention factor)."""
+    norm = cos * cos + sin * sin
+    return cos / norm, -sin / norm
 
 
 def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
