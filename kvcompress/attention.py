@@ -131,7 +131,7 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     grouped = wants or getattr(layer, "grouped_decode", False)
     probs = None
     if grouped and query.shape[2] == 1 and attention_mask is None and _fusable(module, kwargs):
-        out, probs = decode_attention(query, key, value, scaling)  # one pass gives output and scores
+        out, probs = decode_attention(query, key, value, scaling, wants)  # one pass: output (and scores)
     elif backend_of(module.config) == "eager":
         out, _ = model_eager(module)(
             module,

@@ -12,15 +12,16 @@ from __future__ import annotations
 import torch
 
 
-def decode_attention(query, key, value, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_attention(query, key, value, scaling: float, scores: bool = True):
     """Attention of one query per row over every stored key, softmax in float32.
 
     Args:
         query: (B, H, 1, D); key, value: (B, H_kv, T, D).
+        scores: return the probabilities too (a layer that only attends grouped passes False).
 
     Returns:
         The output (B, 1, H, D) in the query's dtype, as the models' attention functions return it, and
-        the probabilities averaged over each KV group's query heads, (B, H_kv, 1, T) float32.
+        the probabilities averaged over each KV group's query heads, (B, H_kv, 1, T) float32, or None.
     """
     b, h, _, d = query.shape
     h_kv = key.shape[1]
@@ -33,7 +34,7 @@ def decode_attention(query, key, value, scaling: float) -> tuple[torch.Tensor, t
     probs = torch.softmax(logits.mul_(scaling), dim=-1)  # (B, H_kv, g, T) float32
     out = torch.matmul(probs.to(value.dtype), value)  # (B, H_kv, g, D)
     out = out.reshape(b, 1, h, value.shape[-1])  # (B, 1, H, D)
-    return out, probs.mean(dim=2, keepdim=True)
+    return out, probs.mean(dim=2, keepdim=True) if scores else None
 
 
 def attend_by_parts(query, scaling: float, kv_heads: int, key_logits, value_output) -> torch.Tensor:

@@ -109,6 +109,8 @@ def test_fused_decode_attention_matches_sdpa_and_window_scores(dtype):
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
     torch.testing.assert_close(probs, window_scores(q, k, 0.25), rtol=1e-5, atol=1e-6)
     assert out.dtype == dtype and probs.shape == (2, 2, 1, 40)
+    alone, none = decode_attention(q, k, v, 0.25, scores=False)  # a layer that attends grouped, no scores
+    assert none is None and torch.equal(alone, out)
 
 
 def test_fused_decode_path_only_for_plain_softmax_attention():
