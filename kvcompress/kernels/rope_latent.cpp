@@ -74,10 +74,13 @@ inline void rebuild_scalar(const float* c, int64_t ct, int64_t m, int64_t r, con
 // rebuild_scalar() for D = 16 * NR: TILE tokens' accumulators (TILE * NR <= 24 registers, beside the NR
 // decoder rows and a broadcast) stay in registers over the R components, and with a ``rot`` table (cos, sin
 // rows of D / 2 floats by position) they are rotated there before the one store. A token past m repeats the
-// last one's coefficients and is not stored.
+// last one's coefficients and is not stored. No contraction into fused multiply-adds beyond the explicit
+// ones of the rebuild, so the rotation rounds as turn_row() does.
 template <int NR, int TILE>
-void rebuild_wide(const float* c, int64_t ct, int64_t m, int64_t r, const float* w, int64_t ld, float* keys,
-                  const int32_t* pos, const float* cs, const float* sn) {
+__attribute__((optimize("fp-contract=off"))) void rebuild_wide(const float* c, int64_t ct, int64_t m, int64_t r,
+                                                                const float* w, int64_t ld, float* keys,
+                                                                const int32_t* pos, const float* cs,
+                                                                const float* sn) {
   for (int64_t k0 = 0; k0 < m; k0 += TILE) {
     __m512 acc[TILE][NR];
     const float* row[TILE];
@@ -93,15 +96,15 @@ void rebuild_wide(const float* c, int64_t ct, int64_t m, int64_t r, const float*
         for (int x = 0; x < NR; ++x) acc[k][x] = _mm512_fmadd_ps(cj, wj[x], acc[k][x]);
       }
     }
-    constexpr int H = NR / 2;  // the rotation pairs register x with x + H (half-split pairs, D = 32 * H); as
-    // fmsub/fmadd of one product, the contraction the compiler makes of rotate_rows(): the same bits
+    constexpr int H = NR / 2;  // the rotation pairs register x with x + H (half-split pairs, D = 32 * H),
+    // each product and sum rounded on its own as in turn_row(): the same bits
     for (int k = 0; k < TILE && k0 + k < m && cs != nullptr && NR % 2 == 0; ++k)
       for (int x = 0; x < H; ++x) {
         const __m512 co = _mm512_loadu_ps(cs + static_cast<int64_t>(pos[k0 + k]) * 8 * NR + 16 * x);
         const __m512 si = _mm512_loadu_ps(sn + static_cast<int64_t>(pos[k0 + k]) * 8 * NR + 16 * x);
         const __m512 a = acc[k][x], b = acc[k][x + H];
-        acc[k][x] = _mm512_fmsub_ps(a, co, _mm512_mul_ps(b, si));
-        acc[k][x + H] = _mm512_fmadd_ps(b, co, _mm512_mul_ps(a, si));
+        acc[k][x] = _mm512_sub_ps(_mm512_mul_ps(a, co), _mm512_mul_ps(b, si));
+        acc[k][x + H] = _mm512_add_ps(_mm512_mul_ps(b, co), _mm512_mul_ps(a, si));
       }
     for (int k = 0; k < TILE && k0 + k < m; ++k)
       for (int x = 0; x < NR; ++x) _mm512_storeu_ps(keys + (k0 + k) * 16 * NR + 16 * x, acc[k][x]);
@@ -128,20 +131,33 @@ inline bool rebuild_fast(const float*, int64_t, int64_t, int64_t, const float*, 
 }
 #endif
 
-// Rotates m keys (rows of D floats) in place at their positions' cos/sin rows: half-split pairs (e, e + half);
-// channels past 2 * half are not rotated.
+// One key's half-split pairs turned by cos/sin rows (half floats each): a' = a c - b s, b' = b c + a s, each
+// product and sum rounded on its own as torch's rope_table.rotate_halves() rounds them (no fused multiply-add:
+// the same bits). Channels past 2 * half are copied.
+__attribute__((optimize("fp-contract=off"))) void turn_row(const float* x, const float* c, const float* s,
+                                                            int64_t half, int64_t d, float* out) {
+  int64_t e = 0;
+#if defined(__AVX512F__)
+  for (; e + 16 <= half; e += 16) {
+    const __m512 a = _mm512_loadu_ps(x + e), b = _mm512_loadu_ps(x + half + e);
+    const __m512 co = _mm512_loadu_ps(c + e), si = _mm512_loadu_ps(s + e);
+    _mm512_storeu_ps(out + e, _mm512_sub_ps(_mm512_mul_ps(a, co), _mm512_mul_ps(b, si)));
+    _mm512_storeu_ps(out + half + e, _mm512_add_ps(_mm512_mul_ps(b, co), _mm512_mul_ps(a, si)));
+  }
+#endif
+  for (; e < half; ++e) {
+    const float ac = x[e] * c[e], bs = x[half + e] * s[e], bc = x[half + e] * c[e], as = x[e] * s[e];
+    out[e] = ac - bs;
+    out[half + e] = bc + as;
+  }
+  for (e = 2 * half; e < d; ++e) out[e] = x[e];
+}
+
+// Rotates m keys (rows of D floats) in place at their positions' cos/sin rows (turn_row()).
 inline void rotate_rows(float* keys, int64_t m, const int32_t* pos, const Inputs& in) {
   for (int64_t k = 0; k < m; ++k) {
-    const float* c = in.cos + pos[k] * in.half;
-    const float* s = in.sin + pos[k] * in.half;
-    float* a = keys + k * in.d;
-    float* b = a + in.half;
-#pragma omp simd
-    for (int64_t e = 0; e < in.half; ++e) {
-      const float ae = a[e], be = b[e];
-      a[e] = ae * c[e] - be * s[e];
-      b[e] = be * c[e] + ae * s[e];
-    }
+    float* key = keys + k * in.d;
+    turn_row(key, in.cos + pos[k] * in.half, in.sin + pos[k] * in.half, in.half, in.d, key);
   }
 }
 
@@ -217,32 +233,6 @@ std::tuple<torch::Tensor, int64_t> rope_logits(torch::Tensor q, torch::Tensor co
   });
   return {out, 0};
 }
-
-namespace {
-
-// One key's half-split pairs turned by cos/sin rows (half floats each): a' = a c - b s, b' = b c + a s, each
-// product and sum rounded on its own as torch's rope_table.rotate_halves() rounds them (no fused multiply-add:
-// the same bits). Channels past 2 * half are copied.
-__attribute__((optimize("fp-contract=off"))) void turn_row(const float* x, const float* c, const float* s,
-                                                            int64_t half, int64_t d, float* out) {
-  int64_t e = 0;
-#if defined(__AVX512F__)
-  for (; e + 16 <= half; e += 16) {
-    const __m512 a = _mm512_loadu_ps(x + e), b = _mm512_loadu_ps(x + half + e);
-    const __m512 co = _mm512_loadu_ps(c + e), si = _mm512_loadu_ps(s + e);
-    _mm512_storeu_ps(out + e, _mm512_sub_ps(_mm512_mul_ps(a, co), _mm512_mul_ps(b, si)));
-    _mm512_storeu_ps(out + half + e, _mm512_add_ps(_mm512_mul_ps(b, co), _mm512_mul_ps(a, si)));
-  }
-#endif
-  for (; e < half; ++e) {
-    const float ac = x[e] * c[e], bs = x[half + e] * s[e], bc = x[half + e] * c[e], as = x[e] * s[e];
-    out[e] = ac - bs;
-    out[half + e] = bc + as;
-  }
-  for (e = 2 * half; e < d; ++e) out[e] = x[e];
-}
-
-}  // namespace
 
 // x (B, H, n, D) float32 contiguous; positions (B, h, n) int32 contiguous, h dividing H (row r of a block of
 // H / h heads); cos, sin (P, half) rows by position (the inverse rows to un-rotate). Returns the turned keys

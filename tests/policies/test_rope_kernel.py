@@ -215,3 +215,21 @@ def test_keys_turned_by_the_kernel_have_the_tensor_forms_bits(d):
         got = rope._by_kernel(x, pos, inverse)
         assert got is not None and torch.equal(got, rope._apply(x, *rope._rows(pos, d, inverse), halves=True))
     assert rope._by_kernel(x, pos + 5000, False) is None  # past the table: the model's module then
+
+
+@pytest.mark.parametrize("d", [16, 48, 64, 128])
+def test_the_kernels_rotation_has_the_tensor_forms_bits(d):
+    """Keys rebuilt exactly (one component of 1.0 times a decoder row) and read channel by channel (one-hot
+    queries): the logits are the rotated keys themselves, bit for bit those of ``rotate_halves`` on the
+    table's rows, on every path (rotated in registers at D = 64 and 128, after the rebuild otherwise)."""
+    rope = rope_of(d)
+    gen = torch.Generator().manual_seed(d)
+    blocks, t = 2, 37
+    keys = torch.randn(blocks, d, generator=gen) * 10  # one key per KV head, at t positions
+    positions = torch.randint(0, 1000, (1, blocks, t), generator=gen, dtype=torch.int32)
+    q = torch.eye(d).expand(1, blocks, d, d).contiguous()  # (B, H_kv, n = D, D): channel j of each key
+    got = fused_low_rank.rope_logits(q, (torch.ones(1, blocks, t, 1),), keys[..., None], positions, rope, t)
+    cos, sin = rope.table.covering(1)
+    pos = positions[0].long()  # (blocks, t)
+    want = rope_table.rotate_halves(keys[:, None].expand(-1, t, -1), cos[pos], sin[pos])  # (blocks, t, D)
+    assert got is not None and torch.equal(got[0].mT, want)
