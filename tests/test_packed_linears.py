@@ -1,6 +1,6 @@
 """``model.linears=packed``: oneDNN linears on weights packed once give the default path's logits (float
-rounding aside) with every ``nn.Linear`` replaced, a row's logits do not depend on its batch, and settings it
-cannot serve are refused by name."""
+rounding aside) with every ``nn.Linear`` replaced, a row decoded in a batch matches it alone (float rounding
+aside: what lm-eval's batch-1 scores need), and settings it cannot serve are refused by name."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_packed_model_gives_the_default_logits(family):
     assert model.lm_head.weight is model.model.embed_tokens.weight or not model.config.tie_word_embeddings
 
 
-def test_a_rows_decode_logits_do_not_depend_on_its_batch():
+def test_a_rows_decode_logits_in_a_batch_match_it_alone():
     model = make_tiny("llama")
     packed_linears.apply(model, "packed")
     gen = torch.Generator().manual_seed(2)
