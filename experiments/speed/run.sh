@@ -92,6 +92,10 @@ if [[ $what == all || $what == lm_eval ]]; then
   # at every 8-row decode step, a third of the batch-8 run
   lm_eval_pair lm_eval_packed sliding_window model.linears=packed
   lm_eval_pair lm_eval_packed2 sliding_window model.linears=packed  # the same pair again: the noise
+  # each forward's logits scored as they stream (kvcompress.eval.streamed), never concatenated into (B, T, V)
+  # and log-softmaxed again whole: packed linears, then the model's own
+  lm_eval_pair lm_eval_streamed sliding_window model.linears=packed
+  lm_eval_pair lm_eval_streamed_default sliding_window
 fi
 if [[ $what == all || $what == scaling ]]; then
   # the scaling table: decode tok/s, prefill time, RSS, ratios to full and DynamicCache, ms per 1k context

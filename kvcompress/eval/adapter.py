@@ -1,9 +1,10 @@
 """lm-eval model ``kvcompress``: lm-eval's ``hf`` model with every request run through a policy cache.
 
-Log-likelihoods: ``_model_call`` streams each batch through a fresh policy cache, ``chunk_size`` tokens
-per forward, so every scored token saw only what the policy kept (one full forward pass, what ``hf``
-does, never reads a cache). Generation: ``generate`` gets a fresh policy cache and stops on the model's
-generation-config eos ids. Model args are those of ``hf`` plus the policy and its fields::
+Log-likelihoods: each batch streams through a fresh policy cache, ``chunk_size`` tokens per forward, so
+every scored token saw only what the policy kept (one full forward pass, what ``hf`` does, never reads a
+cache); each forward's logits are scored at once (``kvcompress.eval.streamed``), never held whole.
+Generation: ``generate`` gets a fresh policy cache and stops on the model's generation-config eos ids.
+Model args are those of ``hf`` plus the policy and its fields::
 
     lm_eval.simple_evaluate(
         model="kvcompress", model_args="pretrained=smollm2-135m,policy=sliding_window,window=124", ...
@@ -26,6 +27,7 @@ from kvcompress.cache import CONF_DIR, build_cache, known_policies, make_policy
 from kvcompress.calibration_text import cache_spans
 from kvcompress.eval.batching import check_batch_size, equal_length_groups
 from kvcompress.eval.calibration_guard import CalibrationGuard
+from kvcompress.eval.streamed import Scores, score_requests, stream
 from kvcompress.metrics.compression import flag_uncompressed, full_cache_bytes, is_compressed, tokens_evicted
 from kvcompress.models import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_model_dir, resolve_device
 from kvcompress.padding import check_padding
@@ -145,16 +147,34 @@ class KVCompressLM(CalibrationGuard, HFLM):
         return result
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
-        """lm-eval's, over groups of equal streamed length where ``chunk_size > 1`` needs them."""
+        """lm-eval's, scored as each batch streams (``streamed.score_requests``: no (B, T, V) logits), over
+        groups of equal streamed length where ``chunk_size > 1`` needs them."""
+        if self.backend != "causal":
+            raise ValueError("model=kvcompress supports decoder-only (causal) models; got a seq2seq model")
         groups = equal_length_groups(requests, self.max_length, self.chunk_size, self.batch_size)
         if groups is None:
-            return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
+            return score_requests(self, requests, disable_tqdm)
         results = [None] * len(requests)
         for idx in groups:
-            scored = super()._loglikelihood_tokens([requests[i] for i in idx], disable_tqdm, override_bs)
+            scored = score_requests(self, [requests[i] for i in idx], disable_tqdm)
             for i, result in zip(idx, scored, strict=True):
                 results[i] = result
         return results
+
+    def _stream(self, inps: torch.Tensor, inplens: list[int]) -> Scores:
+        """``streamed.stream`` of ``inps`` (B, T) through a fresh policy cache, ``chunk_size`` per forward."""
+        cache = self._new_cache()
+        bar = tqdm(total=inps.shape[1], desc="kvcompress stream", leave=False, disable=inps.shape[1] < 256)
+
+        def forward(chunk):
+            bar.update(chunk.shape[1])
+            return self.model(chunk, cache=cache, use_cache=True).logits  # (B, c, V)
+
+        with torch.no_grad():
+            scores = stream(forward, inps, inplens, self.chunk_size, self.softmax_dtype)
+        bar.close()
+        self._record(cache, inps.shape[0], -(-inps.shape[1] // self.chunk_size), "loglikelihood")
+        return scores
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
         """Logits (B, T, V) of ``inps`` (B, T) streamed through a fresh policy cache in chunks. Rows are
