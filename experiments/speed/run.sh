@@ -61,6 +61,9 @@ if [[ $what == all || $what == paired ]]; then
   # every target after kvzip's decode moved to the grouped attention (as the other eviction layers)
   [ -f $F/decode_4k_paired_grouped.json ] || $PY $F/decode_speed.py $F/decode_4k_paired_grouped.json 4096 12 \
     6 --paired $TARGETS_4K
+  # and after sliding_window's decode moved to the grouped attention too
+  [ -f $F/decode_4k_paired_window.json ] || $PY $F/decode_speed.py $F/decode_4k_paired_window.json 4096 12 \
+    6 --paired $TARGETS_4K
 fi
 if [[ $what == all || $what == evict ]]; then
   # every eviction policy at ratio 0.5 (each prefills 4k tokens itself: scores decide what stays)
