@@ -12,10 +12,13 @@ Every request then reads the same float values lm-eval would gather, and sums th
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -104,12 +107,23 @@ def _input(request, max_length: int) -> list[int]:
     return (context + continuation)[-(max_length + 1) :][:-1]
 
 
+def _warn_cut(requests: list, max_length: int) -> None:
+    """One warning for the requests longer than the model's window (lm-eval cuts them on the left)."""
+    cut = [len(c) + len(k) for _, c, k in requests if len(c) + len(k) > max_length + 1]
+    if cut:
+        log.warning(
+            "%d of %d requests exceed max_length=%d (+1) and lose their first tokens (the longest has %d)",
+            len(cut), len(requests), max_length, max(cut),
+        )  # fmt: skip
+
+
 def score_requests(lm, requests: list, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
     """lm-eval's ``_loglikelihood_tokens`` for ``lm`` (a ``KVCompressLM``): the same order, batches and
     shared rows, each batch streamed through a fresh policy cache and scored as it streams (``stream``)."""
     from lm_eval.models.utils import Collator
     from tqdm.auto import tqdm
 
+    _warn_cut(requests, lm.max_length)
     group_by = "contexts" if lm.logits_cache else None
     order = Collator(requests, sort_fn=_sort_key, group_by=group_by, group_fn=_shared_input)
     results = []

@@ -22,7 +22,7 @@ from kvcompress.policies.layer import PolicyLayer
 class SlidingWindowLayer(PolicyLayer):
     """Evicts after each step so that at most ``sink_tokens + window`` tokens stay stored."""
 
-    grouped_decode = True  # a decode query attends as the other eviction layers do (``fused.decode_attention``)
+    grouped_decode = True  # a decode query attends as other eviction layers do (``fused.decode_attention``)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

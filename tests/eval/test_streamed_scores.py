@@ -59,3 +59,13 @@ def test_a_continuation_that_does_not_end_its_row_is_refused():
         answer(scores, 0, inps, 4, [5, 7, 2])
     with pytest.raises(ValueError, match="does not end row 0"):
         answer(scores, 0, inps, 2, [4, 5, 6, 7])
+
+
+def test_requests_cut_on_the_left_are_named_in_one_warning(tiny_checkpoint, caplog):
+    lm = KVCompressLM(pretrained=str(tiny_checkpoint), device="cpu", max_length=32)
+    requests = [(("a", "b"), list(range(3, 34)), [5, 6, 7]), (("c", "d"), [4, 5], [6])]  # 34 and 3 tokens
+    with caplog.at_level("WARNING", logger="kvcompress.eval.streamed"):
+        lm._loglikelihood_tokens(requests, disable_tqdm=True)
+    cut = [r.getMessage() for r in caplog.records if "exceed max_length" in r.getMessage()]
+    want = "1 of 2 requests exceed max_length=32 (+1) and lose their first tokens (the longest has 34)"
+    assert cut == [want]
