@@ -99,6 +99,7 @@ if [[ $what == all || $what == lm_eval ]]; then
   # and log-softmaxed again whole: packed linears, then the model's own
   lm_eval_pair lm_eval_streamed sliding_window model.linears=packed
   lm_eval_pair lm_eval_streamed_default sliding_window
+  lm_eval_pair lm_eval_streamed_default2 sliding_window  # the default pair again: the noise
 fi
 if [[ $what == all || $what == scaling ]]; then
   # the scaling table: decode tok/s, prefill time, RSS, ratios to full and DynamicCache, ms per 1k context
