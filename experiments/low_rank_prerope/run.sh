@@ -36,3 +36,8 @@ run pre_joint_logits_k31_vdense_error policy=low_rank policy.rank=31 policy.allo
 run pre_joint_logits_k64_v64_int8 policy=low_rank policy.rank=64 policy.int8_coefficients=true $T
 run prefix_post_head_keys_k24_q4r32 policy=low_rank policy.rank=24 $OLD "$Q4R32" $P
 run pre_joint_logits_k31_v32 policy=low_rank policy.rank=31 policy.value_rank=32 $T
+# the three rank-32 layouts of the decode-speed runs (experiments/fused: low_rank_32, _head, _post), quality
+# beside speed: joint pre-RoPE bases (the default), per-head pre-RoPE bases, post-RoPE keys
+run pre_joint_logits_k32_v32 policy=low_rank policy.rank=32 $T
+run pre_head_logits_k32_v32 policy=low_rank policy.rank=32 policy.basis=head $T
+run post_joint_logits_k32_v32 policy=low_rank policy.rank=32 policy.keys=post_rope $T
