@@ -161,34 +161,28 @@ class KVCompressLM(CalibrationGuard, HFLM):
                 results[i] = result
         return results
 
-    def _stream(self, inps: torch.Tensor, inplens: list[int]) -> Scores:
-        """``streamed.stream`` of ``inps`` (B, T) through a fresh policy cache, ``chunk_size`` per forward."""
+    def _chunk_logits(self, inps: torch.Tensor):
+        """Each forward's logits (B, c, V) of ``inps`` (B, T) streamed through a fresh policy cache,
+        ``chunk_size`` tokens per forward; the cache's counters are recorded once the stream ends."""
         cache = self._new_cache()
-        bar = tqdm(total=inps.shape[1], desc="kvcompress stream", leave=False, disable=inps.shape[1] < 256)
+        starts = range(0, inps.shape[1], self.chunk_size)
+        for s in tqdm(starts, desc="kvcompress stream", leave=False, disable=len(starts) < 256):
+            yield self.model(inps[:, s : s + self.chunk_size], cache=cache, use_cache=True).logits
+        self._record(cache, inps.shape[0], len(starts), "loglikelihood")
 
-        def forward(chunk):
-            bar.update(chunk.shape[1])
-            return self.model(chunk, cache=cache, use_cache=True).logits  # (B, c, V)
-
+    def _stream(self, inps: torch.Tensor, inplens: list[int]) -> Scores:
+        """``streamed.stream`` of ``inps`` (B, T): scored as each forward's logits come."""
         with torch.no_grad():
-            scores = stream(forward, inps, inplens, self.chunk_size, self.softmax_dtype)
-        bar.close()
-        self._record(cache, inps.shape[0], -(-inps.shape[1] // self.chunk_size), "loglikelihood")
-        return scores
+            return stream(self._chunk_logits(inps), inps, inplens, self.softmax_dtype)
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
-        """Logits (B, T, V) of ``inps`` (B, T) streamed through a fresh policy cache in chunks. Rows are
-        right-padded by lm-eval: padding follows a row's last token and never reaches a scored logit."""
+        """Logits (B, T, V) of ``inps`` (B, T), every forward's kept (lm-eval's paths other than
+        log-likelihoods). Rows are right-padded by lm-eval: padding follows a row's last token and never
+        reaches a scored logit."""
         if attn_mask is not None or labels is not None:
             raise ValueError("model=kvcompress supports decoder-only (causal) models; got a seq2seq call")
-        cache, logits = self._new_cache(), []
-        starts = range(0, inps.shape[1], self.chunk_size)
         with torch.no_grad():
-            for s in tqdm(starts, desc="kvcompress stream", leave=False, disable=len(starts) < 256):
-                chunk = inps[:, s : s + self.chunk_size]
-                logits.append(self.model(chunk, cache=cache, use_cache=True).logits)  # (B, c, V)
-        self._record(cache, inps.shape[0], len(starts), "loglikelihood")
-        return torch.cat(logits, dim=1)
+            return torch.cat(list(self._chunk_logits(inps)), dim=1)
 
     def _model_generate(self, context, max_length: int, stop, **generation_kwargs):
         """Generate with a fresh policy cache; stop on the generation config's eos ids (not tokenizer's)."""

@@ -12,6 +12,8 @@ whose layers declare ``pads_exactly = False`` refuses (``kvcompress.padding.chec
 
 from __future__ import annotations
 
+from kvcompress.eval.streamed import input_tokens
+
 
 def check_batch_size(batch_size) -> None:
     """Refuse ``batch_size=auto``: lm-eval sizes it by running full-length batches, which streamed one
@@ -23,12 +25,6 @@ def check_batch_size(batch_size) -> None:
         )
 
 
-def streamed_length(request, max_length: int) -> int:
-    """Tokens lm-eval feeds for one ``(key, context_ids, continuation_ids)`` request (its left cut)."""
-    _, context, continuation = request
-    return min(len(context) + len(continuation), max_length + 1) - 1
-
-
 def equal_length_groups(requests: list, max_length: int, chunk_size: int, batch_size) -> list | None:
     """Indices of ``requests`` grouped by streamed length when chunks of several tokens need it (every
     group then runs as its own lm-eval batch list), or None when any lengths may share a batch."""
@@ -36,5 +32,5 @@ def equal_length_groups(requests: list, max_length: int, chunk_size: int, batch_
         return None
     groups: dict = {}
     for i, request in enumerate(requests):
-        groups.setdefault(streamed_length(request, max_length), []).append(i)
+        groups.setdefault(len(input_tokens(request, max_length)), []).append(i)
     return list(groups.values())

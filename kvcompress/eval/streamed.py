@@ -44,8 +44,8 @@ def batch_inputs(rows: list[list[int]], device) -> torch.Tensor:
     return out.to(device)
 
 
-def stream(forward, inps: torch.Tensor, inplens: list[int], chunk_size: int, softmax_dtype=None) -> Scores:
-    """Score ``inps`` (B, T) streamed ``chunk_size`` tokens per ``forward(chunk) -> logits (B, c, V)``.
+def stream(chunks, inps: torch.Tensor, inplens: list[int], softmax_dtype=None) -> Scores:
+    """Score ``inps`` (B, T) from ``chunks``: each forward's logits (B, c, V), in order over the positions.
 
     ``inplens``: each row's real length; row i's last position is ``inplens[i] - 1``.
     """
@@ -53,8 +53,8 @@ def stream(forward, inps: torch.Tensor, inplens: list[int], chunk_size: int, sof
     following = torch.cat([inps[:, 1:], inps.new_zeros(B, 1)], dim=1)  # (B, T) what each position predicts
     ends = [n - 1 for n in inplens]
     logprob = greedy = last = None
-    for s in range(0, T, chunk_size):
-        logits = forward(inps[:, s : s + chunk_size])  # (B, c, V)
+    s = 0
+    for logits in chunks:
         lsm = F.log_softmax(logits, dim=-1, dtype=softmax_dtype)  # lm-eval's call, on one chunk
         if logprob is None:
             logprob = lsm.new_empty(B, T)
@@ -66,6 +66,7 @@ def stream(forward, inps: torch.Tensor, inplens: list[int], chunk_size: int, sof
         for i, end in enumerate(ends):
             if s <= end < s + c:
                 last[i] = lsm[i, end - s]
+        s += c
     return Scores(logprob, greedy, last)
 
 
@@ -81,7 +82,7 @@ def answer(scores: Scores, row: int, inps: torch.Tensor, inplen: int, cont: list
     if start < 0 or not torch.equal(inps[row, start + 1 : inplen], tokens[:-1]):
         raise ValueError(f"continuation of {n} tokens does not end row {row}'s input of {inplen} tokens")
     values = torch.cat([scores.logprob[row, start : inplen - 1], scores.last[row, cont[-1]].reshape(1)])
-    is_greedy = torch.equal(scores.greedy[row, start:inplen].cpu(), tokens.cpu())
+    is_greedy = torch.equal(scores.greedy[row, start:inplen], tokens)
     return float(values.sum()), is_greedy
 
 
@@ -96,7 +97,7 @@ def _shared_input(request):
     return request[-2] + request[-1][:-1]
 
 
-def _input(request, max_length: int) -> list[int]:
+def input_tokens(request, max_length: int) -> list[int]:
     """The tokens lm-eval feeds a causal model for one request: cut on the left, last token dropped."""
     _, context, continuation = request
     if not context or not continuation or len(continuation) > max_length:
@@ -129,10 +130,11 @@ def score_requests(lm, requests: list, disable_tqdm: bool = False) -> list[tuple
     results = []
     bar = tqdm(total=len(requests), disable=disable_tqdm, desc="Running loglikelihood requests")
     for batch in order.get_batched(n=int(lm.batch_size)):
-        rows = [_input(request, lm.max_length) for request in batch]
+        rows = [input_tokens(request, lm.max_length) for request in batch]
         inps = batch_inputs(rows, lm.device)
         scores = lm._stream(inps, [len(row) for row in rows])
         for i, (key, context, continuation) in enumerate(batch):
+            # get_cache expands its last argument for the requests sharing row i: a (1, 1, 1) stand-in
             for key_, cont, _ in order.get_cache(key, context, continuation, inps[i : i + 1, :1, None]):
                 result = answer(scores, i, inps, len(rows[i]), cont)
                 results.append(result)
