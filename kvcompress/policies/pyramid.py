@@ -93,9 +93,12 @@ class PyramidKVPolicy(Policy):
         return self._inner(1, None).evicts
 
     def _inner(self, budget: int | None, ratio: float | None) -> EvictionPolicy:
+        """A copy of the inner policy at ``budget`` / ``ratio``, on the layers this policy's ``apply_to``
+        names (the inner policy's own ``apply_to`` is overridden: the one asked for is pyramidkv's)."""
+        fields = {"budget": budget, "compression_ratio": ratio, "apply_to": self.apply_to}
         if isinstance(self.policy, Policy):
-            return dataclasses.replace(self.policy, budget=budget, compression_ratio=ratio)
-        return _as_policy({**dict(self.policy), "budget": budget, "compression_ratio": ratio})
+            return dataclasses.replace(self.policy, **fields)
+        return _as_policy({**dict(self.policy), **fields})
 
     def schedule(self, num_layers: int) -> SchedulePolicy:
         """The per-layer schedule this policy stands for (the same object for a given depth)."""
@@ -108,7 +111,8 @@ class PyramidKVPolicy(Policy):
             keep = pyramid_fractions(1.0 - self.compression_ratio, num_layers, self.beta)
             per_layer = [self._inner(None, max(0.0, 1.0 - f)) for f in keep]
         rules = [{"layers": i, "policy": p} for i, p in enumerate(per_layer)]
-        self._schedules[num_layers] = SchedulePolicy(rules=rules, storage=self.storage)
+        axes = {"storage": self.storage, "apply_to": self.apply_to}
+        self._schedules[num_layers] = SchedulePolicy(rules=rules, **axes)
         return self._schedules[num_layers]
 
     def budgets(self, num_layers: int) -> list:
@@ -124,7 +128,8 @@ class PyramidKVPolicy(Policy):
         self.schedule(model_spec(model).num_layers).prepare(model)
 
     def covering(self, n_tokens: int) -> Policy:
-        return SchedulePolicy(default=self._inner(n_tokens, None), storage=self.storage).covering(n_tokens)
+        axes = {"storage": self.storage, "apply_to": self.apply_to}
+        return SchedulePolicy(default=self._inner(n_tokens, None), **axes).covering(n_tokens)
 
     def layer(self, layer_idx: int, spec: ModelSpec) -> PolicyLayer:
         return self.schedule(spec.num_layers).layer(layer_idx, spec)
@@ -133,7 +138,9 @@ class PyramidKVPolicy(Policy):
         inner = {
             k: v
             for k, v in self._inner(1, None).describe().items()
-            if k not in ("budget", "compression_ratio")
+            if k not in ("budget", "compression_ratio", "apply_to")
         }
         fields = {"budget": self.budget, "compression_ratio": self.compression_ratio, "beta": self.beta}
+        if self.apply_to != "full_attention":  # the default stays out: records of earlier runs unchanged
+            fields["apply_to"] = self.apply_to
         return {"name": self.name, "policy": inner, **fields, "storage": self.storage.describe()}

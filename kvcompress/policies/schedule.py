@@ -144,7 +144,8 @@ class SchedulePolicy(Policy):
             for r in rules
         ]
         storage = None if self.storage is None else _storage_of(self.storage).covering(n_tokens)
-        return SchedulePolicy(self.default and self.default.covering(n_tokens), rules, storage=storage)
+        default = self.default and self.default.covering(n_tokens)
+        return SchedulePolicy(default, rules, storage=storage, apply_to=self.apply_to)
 
     def layer(self, layer_idx: int, spec: ModelSpec) -> PolicyLayer:
         return self.assignment(spec.num_layers)[layer_idx].layer(layer_idx, spec)
@@ -163,6 +164,7 @@ class SchedulePolicy(Policy):
             "default": self.default.describe() if self.default else None,
             "rules": [rule(r) for r in self.rules],
             "storage": None if self.storage is None else _storage_of(self.storage).describe(),
+            **({"apply_to": self.apply_to} if self.apply_to != "full_attention" else {}),
         }
 
 

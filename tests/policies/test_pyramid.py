@@ -58,3 +58,22 @@ def test_pyramid_rejects_bad_fields():
         PyramidKVPolicy(policy=FullPolicy(), budget=8)
     with pytest.raises(ValueError, match="must be an eviction policy"):
         PyramidKVPolicy(policy={"_target_": "kvcompress.policies.FullPolicy"}, budget=8)
+
+
+@pytest.mark.parametrize("apply_to", ["full_attention", "all"])
+def test_apply_to_reaches_every_layer_of_the_pyramid(apply_to):
+    """On a hybrid model, ``apply_to`` decides who handles the windowed layers: the model's window
+    (``full_attention``) or the inner selector inside it (``all``); the covering copy keeps the choice."""
+    from zoo import HYBRID, make_family
+
+    from kvcompress.policies.model_window import ModelWindowLayer
+    from kvcompress.policies.snapkv import SnapKVLayer
+
+    model = make_family("gemma3")
+    policy = PyramidKVPolicy(budget=12, beta=4, apply_to=apply_to)
+    for built in (policy, policy.covering(48)):
+        cache = build_cache(built, model)
+        for kind, layer in zip(HYBRID, cache.layers, strict=True):
+            windowed = kind == "sliding_attention" and apply_to == "full_attention"
+            assert isinstance(layer, ModelWindowLayer if windowed else SnapKVLayer), (kind, type(layer))
+    assert ("apply_to" in policy.describe()) == (apply_to == "all")
