@@ -72,9 +72,7 @@ def mix(probs: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     if probs.device.type == "cpu" and probs.dtype == coef.dtype == torch.float32:
         kernel = kernels.load("latent_values")
         if kernel is not None and probs.stride(-1) == 1 and coef.stride(-1) == 1:
-            out = kernel.latent_mix(probs, coef)  # empty where it does not serve (R % 16, no AVX-512)
-            if out.numel():
-                return out
+            return kernel.latent_mix(probs, coef)
     return probs @ coef
 
 
@@ -103,10 +101,11 @@ def rope_logits(q: torch.Tensor, parts: tuple, decoder, positions, rope, seen: i
         return None
     coef, scale = _latent(parts)
     dect = decoder.mT.contiguous()  # (G, R, g * D): the store lays its key decoder out so (no copy)
-    needed = seen
-    while needed > 0:  # a position past the table (given by the caller, beyond the tokens seen): extend it
-        cos, sin = rope.table.covering(needed)
-        logits, needed = kernel.rope_logits(q.contiguous(), coef, dect, positions, cos, sin)
-    if needed < 0:  # a negative position has no table row
+    q = q.contiguous()
+    logits = kernel.rope_logits(q, coef, dect, positions, *rope.table.covering(max(seen, 1)))
+    if logits is None and positions.numel() and int(positions.min()) >= 0:  # a position past the tokens
+        top = int(positions.max()) + 1  # seen (given by the caller): a longer table serves it
+        logits = kernel.rope_logits(q, coef, dect, positions, *rope.table.covering(top))
+    if logits is None:  # a negative position has no table row
         return None
     return logits if scale is None else logits * scale.mT

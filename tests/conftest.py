@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from kvcompress.cache import known_policies, known_storages, make_policy
+from kvcompress.kernels import ISA_ENV, ISAS
 from kvcompress.policies import Policy, SchedulePolicy, StoragePreset
 from kvcompress.registry import ENV, make_storage
 
@@ -88,6 +89,14 @@ def make_tiny(family: str = "llama", dtype=torch.float32, attn="sdpa"):
     else:
         raise ValueError(family)
     return model.to(dtype).eval()
+
+
+@pytest.fixture(params=ISAS)
+def kernel_isa(request, monkeypatch):
+    """Runs a test once per build of the C++ kernels (``KVCOMPRESS_CPU_ISA``): the portable twins are
+    exercised whatever the host's instruction set."""
+    monkeypatch.setenv(ISA_ENV, request.param)
+    return request.param
 
 
 @pytest.fixture(params=["llama", "qwen2"])

@@ -6,9 +6,16 @@ the zero points into one constant; for every token the value scales fold into it
 ``torch.compile`` form of the same sums (``kvcompress.fused_quant``), the loops unpack 16 tokens at a time
 into a small buffer that stays in L1 and share it between the GQA group's query heads (no float copy of
 the cache, no horizontal sum per token), which is what makes it faster than a float32 cache on a CPU.
-The build is compiled for this machine's instruction set (``-march=native``) and cached
-under torch's extension folder, keyed by the source and the CPU's flags; ``load()`` returns ``None`` with
-the reason where no compiler is available, and callers fall back to the tensor form.
+Two builds of every kernel sit side by side under torch's extension folder: ``native`` (``-march=native``:
+AVX-512 where the CPU has it) and ``portable`` (the compiler's baseline for the architecture: SSE2 on
+x86-64, NEON on aarch64). ``KVCOMPRESS_CPU_ISA`` picks the one callers use (``native`` by default); every
+vector loop has a portable twin, and the kernel tests run both builds on any host. A build is keyed by its
+sources, the flags and, for ``native``, the macros the compiler predefines for this CPU (which name its
+instruction set on any architecture, unlike a ``/proc/cpuinfo`` line). ``load()`` returns ``None`` with the
+reason (``why()``) where no compiler is available, and callers fall back to the tensor form.
+
+Every entry point returns its result, or ``None`` where it does not serve the inputs (a rotary position
+the table does not hold); the caller then runs the tensor form. Nothing else signals "not served".
 
 ``page_attention.cpp`` computes Quest's decode attention over the chosen pages of a float32 cache where they
 lie (Tang et al., arXiv 2406.10774): logits page by page, then, after torch's softmax, the values' sum; no
@@ -24,54 +31,91 @@ what a BLAS does worst) with each latent read once into register accumulators (`
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
+import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 KERNELS = ("quant_attention", "page_attention", "rope_latent", "latent_values")
-_BUILT: dict[str, dict[str, object]] = {}
+ISAS = ("native", "portable")
+ISA_ENV = "KVCOMPRESS_CPU_ISA"
+_BASE_FLAGS = ("-O3", "-fopenmp-simd")
+_BUILT: dict[tuple[str, str], dict[str, object]] = {}
 
 
-def _machine_key(source: Path) -> str:
-    flags = ""
+def cpu_isa() -> str:
+    """The build callers use: ``$KVCOMPRESS_CPU_ISA`` (``native`` when unset)."""
+    isa = os.environ.get(ISA_ENV, "") or "native"
+    if isa not in ISAS:
+        raise ValueError(f"{ISA_ENV}={isa!r} is not a kernel build; allowed: {list(ISAS)}")
+    return isa
+
+
+@functools.cache
+def _native_macros() -> bytes | None:
+    """What the compiler predefines with ``-march=native`` (its view of this CPU), or None where it cannot
+    tell (then ``native`` builds with the portable flags)."""
+    compiler = os.environ.get("CXX", "c++")
     try:
-        text = Path("/proc/cpuinfo").read_text()
-        flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    except OSError:
-        pass
+        done = subprocess.run(
+            [compiler, "-march=native", "-dM", "-E", "-x", "c++", os.devnull],
+            capture_output=True, timeout=60, check=True,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return b"\n".join(sorted(done.stdout.splitlines()))
+
+
+def build_flags(isa: str) -> list[str]:
+    """Compiler flags of build ``isa`` on this machine."""
+    native = isa == "native" and _native_macros() is not None
+    return [*_BASE_FLAGS, *(["-march=native"] if native else [])]
+
+
+def _build_key(source: Path, isa: str) -> str:
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # included by the sources
-    blob = source.read_bytes() + headers + platform.machine().encode() + flags.encode()
+    cpu = (_native_macros() or b"") if isa == "native" else b""
+    flags = " ".join(build_flags(isa)).encode()
+    blob = b"\0".join([source.read_bytes(), headers, platform.machine().encode(), flags, cpu])
     return hashlib.sha1(blob).hexdigest()[:12]
 
 
-def load(kernel: str = "quant_attention"):
-    """The built module of ``kernel`` (one of ``KERNELS``), or ``None`` where it cannot be built (see
-    ``why(kernel)``)."""
+def load(kernel: str = "quant_attention", isa: str | None = None):
+    """The built module of ``kernel`` (one of ``KERNELS``) in build ``isa`` (default ``cpu_isa()``), or
+    ``None`` where it cannot be built (see ``why(kernel)``)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernels.load: kernel={kernel!r}; allowed: {list(KERNELS)}")
-    built = _BUILT.setdefault(kernel, {})
+    isa = cpu_isa() if isa is None else isa
+    if isa not in ISAS:
+        raise ValueError(f"kernels.load: isa={isa!r}; allowed: {list(ISAS)}")
+    built = _BUILT.setdefault((kernel, isa), {})
     if "module" not in built:
-        source = Path(__file__).with_name(f"{kernel}.cpp")
-        try:
-            from torch.utils.cpp_extension import load as build
-
-            quiet = os.environ.get("KVC_KERNEL_VERBOSE", "0") != "1"
-            note = f"kvcompress: loading the C++ kernel {kernel} (built once per machine, in about a minute)"
-            print(note, file=sys.stderr)
-            built["module"] = build(
-                name=f"kvc_{kernel}_{_machine_key(source)}", sources=[str(source)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=not quiet,
-            )  # fmt: skip
-        except Exception as err:  # no compiler, no headers, no ninja: the tensor form runs instead
-            built["module"], built["error"] = None, f"{err!r:.300}"
-            warnings.warn(f"kvcompress C++ kernel {kernel} unavailable ({built['error']}); slower tensor "
-                          "forms used", stacklevel=2)  # fmt: skip
+        built["module"], built["error"] = _build(kernel, isa)
+        if built["module"] is None:
+            warnings.warn(f"kvcompress C++ kernel {kernel} ({isa}) unavailable ({built['error']}); slower "
+                          "tensor forms used", stacklevel=2)  # fmt: skip
     return built["module"]
 
 
-def why(kernel: str = "quant_attention") -> str | None:
-    """Why ``load(kernel)`` returned ``None`` (``None`` when it built or was not tried)."""
-    return _BUILT.get(kernel, {}).get("error")
+def _build(kernel: str, isa: str):
+    """(module, None), or (None, the reason) where the build fails (no compiler, headers or ninja)."""
+    source = Path(__file__).with_name(f"{kernel}.cpp")
+    try:
+        from torch.utils.cpp_extension import load as build
+
+        quiet = os.environ.get("KVC_KERNEL_VERBOSE", "0") != "1"
+        print(f"kvcompress: loading the C++ kernel {kernel} ({isa} build; built once per machine, in about "
+              "a minute)", file=sys.stderr)  # fmt: skip
+        name = f"kvc_{kernel}_{isa}_{_build_key(source, isa)}"
+        return build(name=name, sources=[str(source)], extra_cflags=build_flags(isa), verbose=not quiet), None
+    except Exception as err:  # the tensor form runs instead
+        return None, f"{err!r:.300}"
+
+
+def why(kernel: str = "quant_attention", isa: str | None = None) -> str | None:
+    """Why ``load(kernel, isa)`` returned ``None`` (``None`` when it built or was not tried)."""
+    return _BUILT.get((kernel, cpu_isa() if isa is None else isa), {}).get("error")

@@ -78,11 +78,54 @@ void block(const Mix& x, int64_t m, int64_t t) {
 }
 #endif
 
+// The same sums on any CPU: tiles of RB rows by W components accumulate in local arrays the compiler keeps
+// in vector registers (W = 8: two SSE or NEON registers per row, one AVX2 register) over a span of tokens;
+// components past the last whole tile are summed one at a time. The portable build, and AVX-512 builds
+// where R is not a multiple of 16.
+template <int RB>
+inline void tile_portable(const Mix& x, int64_t t0, int64_t t1, int64_t i0, int64_t f0) {
+  constexpr int W = 8;
+  float acc[RB][W];
+  for (int i = 0; i < RB; ++i)
+    for (int f = 0; f < W; ++f) acc[i][f] = x.out[(i0 + i) * x.r + f0 + f];
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* c = x.c + t * x.cs + f0;
+    for (int i = 0; i < RB; ++i) {
+      const float p = x.p[(i0 + i) * x.ps + t];
+#pragma omp simd
+      for (int f = 0; f < W; ++f) acc[i][f] += p * c[f];
+    }
+  }
+  for (int i = 0; i < RB; ++i)
+    for (int f = 0; f < W; ++f) x.out[(i0 + i) * x.r + f0 + f] = acc[i][f];
+}
+
+template <int RB>
+inline void rows_portable(const Mix& x, int64_t t0, int64_t t1, int64_t i0) {
+  int64_t f0 = 0;
+  for (; f0 + 8 <= x.r; f0 += 8) tile_portable<RB>(x, t0, t1, i0, f0);
+  for (int64_t f = f0; f < x.r; ++f)  // the last components, one at a time
+    for (int i = 0; i < RB; ++i) {
+      float acc = x.out[(i0 + i) * x.r + f];
+      for (int64_t t = t0; t < t1; ++t) acc += x.p[(i0 + i) * x.ps + t] * x.c[t * x.cs + f];
+      x.out[(i0 + i) * x.r + f] = acc;
+    }
+}
+
+void block_portable(const Mix& x, int64_t m, int64_t t) {
+  for (int64_t t0 = 0; t0 < t; t0 += SPAN) {
+    const int64_t t1 = std::min(t, t0 + SPAN);
+    int64_t i0 = 0;
+    for (; i0 + 3 <= m; i0 += 3) rows_portable<3>(x, t0, t1, i0);
+    for (; i0 < m; ++i0) rows_portable<1>(x, t0, t1, i0);
+  }
+}
+
 }  // namespace
 
 // probs (B, G, m, T) float32 with contiguous tokens; coef (B, G, T, R) float32 with contiguous components
-// (views into growable buffers are read in place). Returns sum_t probs[..., t] coef[..., t, :], (B, G, m, R);
-// or an empty tensor where R is not a multiple of 16 or the build has no AVX-512 (the caller's matmul then).
+// (views into growable buffers are read in place). Returns sum_t probs[..., t] coef[..., t, :], (B, G, m, R):
+// register tiles where the build has AVX-512 and R is a multiple of 16, block_portable() elsewhere.
 torch::Tensor latent_mix(torch::Tensor probs, torch::Tensor coef) {
   TORCH_CHECK(probs.scalar_type() == at::kFloat && probs.dim() == 4 && probs.stride(3) == 1 &&
                   probs.device().is_cpu(),
@@ -92,8 +135,6 @@ torch::Tensor latent_mix(torch::Tensor probs, torch::Tensor coef) {
   const int64_t b = probs.size(0), g = probs.size(1), m = probs.size(2), t = probs.size(3), r = coef.size(3);
   TORCH_CHECK(coef.size(0) == b && coef.size(1) == g && coef.size(2) == t,
               "coef: expected (B, G, T, R) for the probabilities' B, G and T");
-#if defined(__AVX512F__)
-  if (r % 16 != 0) return torch::empty({0}, probs.options());
   auto out = torch::zeros({b, g, m, r}, probs.options());
   const float* pp = probs.data_ptr<float>();
   const float* cp = coef.data_ptr<float>();
@@ -103,15 +144,19 @@ torch::Tensor latent_mix(torch::Tensor probs, torch::Tensor coef) {
       const int64_t x = xb / g, blk = xb % g;
       const Mix mix{pp + x * probs.stride(0) + blk * probs.stride(1), cp + x * coef.stride(0) + blk * coef.stride(1),
                     op + xb * m * r, probs.stride(2), coef.stride(2), r};
-      block(mix, m, t);
+#if defined(__AVX512F__)
+      if (r % 16 == 0) {
+        block(mix, m, t);
+        continue;
+      }
+#endif
+      block_portable(mix, m, t);
     }
   });
   return out;
-#else
-  return torch::empty({0}, probs.options());
-#endif
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("vector_isa", &kvc::vector_isa, "the vector instructions of this build (avx512 or portable)");
   m.def("latent_mix", &latent_mix, "sum_t p[i][t] c[t]: the probabilities' mix of low-rank latents");
 }

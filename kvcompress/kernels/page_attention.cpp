@@ -179,6 +179,7 @@ torch::Tensor select_pages(torch::Tensor q, torch::Tensor page_min, torch::Tenso
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("vector_isa", &kvc::vector_isa, "the vector instructions of this build (avx512 or portable)");
   m.def("page_logits", &page_logits, "logits of a decode query over chosen pages of a float32 cache");
   m.def("page_values", &page_values, "probability-weighted sum of the values of chosen pages");
   m.def("select_pages", &select_pages, "Quest's pages to read: bounds, forced pages, top width, ascending");

@@ -241,6 +241,7 @@ torch::Tensor value_output(torch::Tensor p, torch::Tensor codes, torch::Tensor s
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("vector_isa", &kvc::vector_isa, "the vector instructions of this build (avx512 or portable)");
   m.def("key_logits", &key_logits, "logits of a decode query over KIVI key codes");
   m.def("value_output", &value_output, "probability-weighted sum of KIVI value codes");
 }

@@ -7,7 +7,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <tuple>
+#include <optional>
 #include <vector>
 
 #include "vector.h"
@@ -203,22 +203,17 @@ void block_span(const Inputs& in, int64_t x, int64_t blk, int64_t t0, int64_t t1
 
 // q (B, H_kv, n, D) float32 contiguous (scaled); coef (B, G, T, R) float32 latents of pre-RoPE keys;
 // dect (G, R, g * D): each block's decoder, transposed; positions (B, G, T) int32; cos, sin (P, half) the
-// rotary tables by position. Returns the logits (B, G, g * n, T) and 0; or an empty tensor and the table
-// length a position needs when one is past P (the caller extends the tables and calls again), or -1 when a
-// position is negative (no table row: the caller rotates with the model's own module instead).
-std::tuple<torch::Tensor, int64_t> rope_logits(torch::Tensor q, torch::Tensor coef, torch::Tensor dect,
+// rotary tables by position. Returns the logits (B, G, g * n, T), or None when a position has no table row
+// (past P: the caller extends the tables and calls again; negative: it rotates with the model's module).
+std::optional<torch::Tensor> rope_logits(torch::Tensor q, torch::Tensor coef, torch::Tensor dect,
                                                torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
   const Inputs in(q, coef, dect, positions, cos, sin);
-  int64_t needed = 0;
   for (int64_t x = 0; x < in.b; ++x)
     for (int64_t blk = 0; blk < in.blocks; ++blk) {
       const int32_t* p = in.pos + x * in.pb + blk * in.pg;
-      for (int64_t k = 0; k < in.t; ++k) {
-        if (p[k] < 0) return {torch::empty({0}, q.options()), -1};
-        needed = std::max<int64_t>(needed, p[k] + 1);
-      }
+      for (int64_t k = 0; k < in.t; ++k)
+        if (p[k] < 0 || p[k] >= in.rows) return std::nullopt;
     }
-  if (needed > in.rows) return {torch::empty({0}, q.options()), needed};
   auto out = torch::empty({in.b, in.blocks, in.g * in.n, in.t}, q.options());
   float* op = out.data_ptr<float>();
   const int64_t chunks = (in.t + CHUNK - 1) / CHUNK;
@@ -231,13 +226,13 @@ std::tuple<torch::Tensor, int64_t> rope_logits(torch::Tensor q, torch::Tensor co
       block_span(in, xb / in.blocks, xb % in.blocks, t0, t1, op, keys.data());
     }
   });
-  return {out, 0};
+  return out;
 }
 
 // x (B, H, n, D) float32 contiguous; positions (B, h, n) int32 contiguous, h dividing H (row r of a block of
 // H / h heads); cos, sin (P, half) rows by position (the inverse rows to un-rotate). Returns the turned keys
-// (B, H, n, D), or an empty tensor when a position has no row (the caller uses the model's module instead).
-torch::Tensor turn_keys(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
+// (B, H, n, D), or None when a position has no row (the caller uses the model's module instead).
+std::optional<torch::Tensor> turn_keys(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 4 && x.is_contiguous() && x.device().is_cpu(),
               "x: expected a contiguous float32 CPU tensor (B, H, n, D)");
   TORCH_CHECK(positions.scalar_type() == at::kInt && positions.dim() == 3 && positions.is_contiguous() &&
@@ -252,7 +247,7 @@ torch::Tensor turn_keys(torch::Tensor x, torch::Tensor positions, torch::Tensor 
   const int64_t rows = cos.size(0), half = cos.size(1);
   const int32_t* pos = positions.data_ptr<int32_t>();
   for (int64_t i = 0; i < positions.numel(); ++i)
-    if (pos[i] < 0 || pos[i] >= rows) return torch::empty({0}, x.options());
+    if (pos[i] < 0 || pos[i] >= rows) return std::nullopt;
   auto out = torch::empty_like(x);
   const float *xp = x.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -266,6 +261,7 @@ torch::Tensor turn_keys(torch::Tensor x, torch::Tensor positions, torch::Tensor 
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("vector_isa", &kvc::vector_isa, "the vector instructions of this build (avx512 or portable)");
   m.def("rope_logits", &rope_logits, "decode logits over pre-RoPE low-rank keys, rebuilt and rotated in place");
   m.def("turn_keys", &turn_keys, "keys turned by cos/sin rows at their positions (half-split pairs)");
 }

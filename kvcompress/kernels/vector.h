@@ -10,6 +10,16 @@
 
 namespace kvc {
 
+// The vector instructions this build's own loops use ("avx512" or "portable"), bound as ``vector_isa`` by
+// every kernel module so that tests can tell which of a kernel's twins they ran.
+inline const char* vector_isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#else
+  return "portable";
+#endif
+}
+
 // a . b over d floats (the compiler vectorises it; one horizontal sum at the end).
 inline float dot(const float* a, const float* b, int64_t d) {
   float acc = 0.f;

@@ -94,8 +94,7 @@ class Rope:
         kernel = None if table is None else kernels.load("rope_latent")
         if kernel is None:
             return None
-        out = kernel.turn_keys(x.float().contiguous(), positions.to(torch.int32).contiguous(), *table)
-        return out if out.numel() else None
+        return kernel.turn_keys(x.float().contiguous(), positions.to(torch.int32).contiguous(), *table)
 
     def _turn(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool) -> torch.Tensor:
         turned = self._by_kernel(x, positions, inverse) if x.numel() else None

@@ -117,6 +117,7 @@ def _page_kernel_or_skip():
         pytest.skip(f"the C++ page kernel does not build here: {kernels.why('page_attention')}")
 
 
+@pytest.mark.usefixtures("kernel_isa")
 @pytest.mark.parametrize("n_tokens,block_size", [(30, 4), (64, 16), (65, 16)])
 def test_pages_read_in_place_equal_attention_over_the_gathered_pages(no_padding, n_tokens, block_size):
     _page_kernel_or_skip()
@@ -141,6 +142,7 @@ def test_pages_read_in_place_equal_attention_over_the_gathered_pages(no_padding,
     assert out["auto_bytes"] == out["off_bytes"]
 
 
+@pytest.mark.usefixtures("kernel_isa")
 @pytest.mark.parametrize("block_size,ratio,sinks", [(4, 0.25, 1), (4, 0.5, 0), (16, 0.25, 2), (1, 0.1, 3)])
 def test_the_kernels_page_choice_is_the_tensor_forms(no_padding, block_size, ratio, sinks):
     """``fused_pages.select`` (one C++ call) returns the pages of ``page_bounds`` + ``_select_unpadded``."""
@@ -161,6 +163,7 @@ def test_the_kernels_page_choice_is_the_tensor_forms(no_padding, block_size, rat
     assert fused_pages.select("off", q, layer.page_min, layer.page_max, sinks, width) is None
 
 
+@pytest.mark.usefixtures("kernel_isa")
 def test_decode_with_pages_read_in_place_keeps_the_logits(llama, tokens, monkeypatch):
     _page_kernel_or_skip()
     from kvcompress import fused_pages

@@ -33,6 +33,7 @@ def reference(query, kq, vq, k_res, v_res, bits, group):
     return out.transpose(1, 2)  # (B, 1, H, D)
 
 
+@pytest.mark.usefixtures("kernel_isa")
 @pytest.mark.parametrize("bits,group", [(8, 4), (8, 16), (4, 4), (4, 8), (4, 16), (2, 8), (2, 16)])
 @pytest.mark.parametrize("impl", fused_quant.IMPLS)
 def test_attention_from_codes_equals_attention_over_the_dequantized_copy(bits, group, impl):
@@ -45,6 +46,7 @@ def test_attention_from_codes_equals_attention_over_the_dequantized_copy(bits, g
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.usefixtures("kernel_isa")
 @pytest.mark.parametrize("bits,group", [(8, 16), (4, 16), (4, 32), (2, 32)])
 def test_kernel_vector_path_equals_attention_over_the_dequantized_copy(bits, group):
     """head_dim 64 and groups of 16 or 32 tokens: the kernel's 16-token blocks (AVX-512 where the CPU has
@@ -66,6 +68,7 @@ def _perplexity(model, ids, mode):
     return decode_perplexity(model, ids, cache, progress=False)["perplexity"], len(calls)
 
 
+@pytest.mark.usefixtures("kernel_isa")
 @pytest.mark.parametrize("mode", ["eager", "kernel"])
 def test_perplexity_is_unchanged_by_the_fused_path(mode):
     if mode == "kernel" and kernels.load() is None:

@@ -22,7 +22,10 @@ from kvcompress.storage import rope_table
 from kvcompress.storage.low_rank_store import from_blocks
 from kvcompress.storage.rope import Rope, model_ropes
 
-pytestmark = pytest.mark.skipif(kernels.load("rope_latent") is None, reason="no C++ compiler")
+pytestmark = [
+    pytest.mark.skipif(kernels.load("rope_latent") is None, reason="no C++ compiler"),
+    pytest.mark.usefixtures("kernel_isa"),  # the portable twin of every vector loop too
+]
 
 
 def rope_of(head_dim: int) -> Rope:
