@@ -4,7 +4,8 @@ Log-likelihoods: each batch streams through a fresh policy cache, ``chunk_size``
 every scored token saw only what the policy kept (one full forward pass, what ``hf`` does, never reads a
 cache); each forward's logits are scored at once (``kvcompress.eval.streamed``), never held whole.
 Generation: ``generate`` gets a fresh policy cache and stops on the model's generation-config eos ids.
-Model args are those of ``hf`` plus the policy and its fields::
+Model args are those of ``hf`` plus the policy and its fields (``policy.<field>`` where a field has the name
+of an ``hf`` argument, ``hf.<name>`` for that argument: ``split_policy_args``)::
 
     lm_eval.simple_evaluate(
         model="kvcompress", model_args="pretrained=smollm2-135m,policy=sliding_window,window=124", ...
@@ -13,6 +14,7 @@ Model args are those of ``hf`` plus the policy and its fields::
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import torch
@@ -33,18 +35,55 @@ from kvcompress.models import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_model_dir
 from kvcompress.padding import check_padding
 from kvcompress.policies.base import Policy
 
+POLICY_PREFIX, HF_PREFIX = "policy.", "hf."  # model args meant for the policy's fields / for ``hf`` itself
+
+
+def hf_arguments() -> set[str]:
+    """Names ``hf`` (``HFLM``) and this adapter take as model args."""
+    names = set(inspect.signature(HFLM.__init__).parameters) | set(
+        inspect.signature(KVCompressLM.__init__).parameters
+    )
+    return names - {"self", "kwargs"}
+
 
 def split_policy_args(policy, kwargs: dict) -> tuple[Policy, dict]:
-    """The policy named by ``policy`` with its fields taken out of ``kwargs``; the rest goes to ``hf``."""
-    if isinstance(policy, Policy):
-        return policy, kwargs
-    if not isinstance(policy, str):  # a {_target_: ..., field: value} mapping (Hydra, JSON model args)
-        return make_policy(dict(OmegaConf.to_container(OmegaConf.create(policy)))), kwargs
+    """The policy named by ``policy`` with its fields taken out of ``kwargs``; the rest goes to ``hf``.
+
+    A field is named plainly (``window=124``) or with the ``policy.`` prefix (``policy.tokenizer=...``); a
+    plain name that is both a field and an ``hf`` argument (``low_rank``'s calibration ``tokenizer``) is
+    refused, naming both meanings: it is written ``policy.<name>`` for the field, ``hf.<name>`` for ``hf``.
+    """
+    if isinstance(policy, Policy) or not isinstance(policy, str):
+        prefixed = sorted(k for k in kwargs if k.startswith(POLICY_PREFIX))
+        if prefixed:
+            raise ValueError(f"model_args {prefixed}: policy fields by prefix need a policy given by name")
+        rest = {k.removeprefix(HF_PREFIX): v for k, v in kwargs.items()}
+        if isinstance(policy, Policy):
+            return policy, rest
+        # a {_target_: ..., field: value} mapping (Hydra, JSON model args)
+        return make_policy(dict(OmegaConf.to_container(OmegaConf.create(policy)))), rest
     if policy not in known_policies():
         raise ValueError(f"policy={policy!r} is unknown; known policies: {known_policies()}")
     fields = set(OmegaConf.load(CONF_DIR / "policy" / f"{policy}.yaml")) - {"_target_"}
-    params = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
-    return make_policy(policy, **params), kwargs
+    params, rest, hf = {}, {}, hf_arguments()
+    for key, value in kwargs.items():
+        name = key.removeprefix(POLICY_PREFIX)
+        if key.startswith(HF_PREFIX):
+            rest[key.removeprefix(HF_PREFIX)] = value
+        elif key.startswith(POLICY_PREFIX) and name not in fields:
+            raise ValueError(f"model_args {key}: policy {policy!r} has no field {name!r}; its fields: "
+                             f"{sorted(fields)}")  # fmt: skip
+        elif key == name and key not in fields:
+            rest[key] = value
+        elif key == name and key in hf:
+            raise ValueError(
+                f"model_args {key}={value!r} is ambiguous: {key!r} is a field of policy {policy!r} and an "
+                f"argument of lm-eval's hf model; write policy.{key}={value} for the policy's field or "
+                f"hf.{key}={value} for lm-eval's"
+            )
+        else:
+            params[name] = value
+    return make_policy(policy, **params), rest
 
 
 def resolve_pretrained(pretrained: str, kwargs: dict) -> tuple[str, dict]:

@@ -152,3 +152,21 @@ def test_packed_linears_model_arg_packs_and_keeps_the_logits(window_lm, tiny_che
     torch.testing.assert_close(packed._model_call(ids), window_lm._model_call(ids), rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="model.linears='fast' is unknown"):
         KVCompressLM(**args, linears="fast")
+
+
+def test_a_name_both_a_field_and_an_hf_argument_needs_its_prefix():
+    """``tokenizer`` is ``low_rank``'s calibration field and ``hf``'s tokenizer: a plain one is refused, the
+    prefixed ones reach their owner (``hf.`` arguments go to ``hf`` without the prefix)."""
+    with pytest.raises(
+        ValueError, match=r"tokenizer='tok' is ambiguous.*policy.tokenizer=tok.*hf.tokenizer=tok"
+    ):
+        split_policy_args("low_rank", {"tokenizer": "tok"})
+    policy, rest = split_policy_args("low_rank", {"hf.tokenizer": "tok", "rank": 8, "max_length": 64})
+    assert rest == {"tokenizer": "tok", "max_length": 64} and policy.storage.rank == 8
+    assert policy.storage.tokenizer is None
+    policy, rest = split_policy_args("low_rank", {"policy.tokenizer": "calib-tok", "policy.rank": 8})
+    assert rest == {} and (policy.storage.tokenizer, policy.storage.rank) == ("calib-tok", 8)
+    _, rest = split_policy_args("full", {"tokenizer": "tok"})  # no field of that name: plainly hf's
+    assert rest == {"tokenizer": "tok"}
+    with pytest.raises(ValueError, match=r"policy.windw: policy 'sliding_window' has no field 'windw'"):
+        split_policy_args("sliding_window", {"policy.windw": 3})
