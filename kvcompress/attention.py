@@ -9,41 +9,24 @@ without it transformers silently drops the causal mask.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
+from kvcompress import forward_state
 from kvcompress.fused import decode_attention
 from kvcompress.profiling import TIMER
 
 NAME = "kvcompress"
 BACKENDS = ("sdpa", "eager")
-_STATE = threading.local()
+HOOKS = "_kvcompress_hooks"  # the model attribute holding install()'s hook handles
 
 
-def new_token_validity(batch: int, q: int, device) -> torch.Tensor | None:
-    """Validity (B, q) of this forward's new tokens from the padding mask, or None when all are real."""
-    pad = getattr(_STATE, "padding", None)
-    if pad is None or pad.shape[0] != batch or pad.shape[-1] < q:
-        return None
-    new = pad[:, -q:].to(device=device, dtype=torch.bool)
-    return None if bool(new.all()) else new
-
-
-def set_current_layer(layer) -> None:
-    """Called by the cache right after ``layer.update``; the attention call that follows consumes it."""
-    _STATE.layer = layer
-
-
-def _take_layer(module):
-    layer = getattr(_STATE, "layer", None)
-    _STATE.layer = None
-    if layer is None or getattr(module, "layer_idx", layer.layer_idx) != layer.layer_idx:
-        return None
-    return layer
+def _take_layer(module, kwargs: dict):
+    """The policy layer that just stored this module's keys (this forward's own state), or None."""
+    state = kwargs.pop(forward_state.KEY, None)
+    return None if state is None else state.take(getattr(module, "layer_idx", -1))
 
 
 def backend_of(config) -> str:
@@ -51,10 +34,8 @@ def backend_of(config) -> str:
 
 
 def kvcompress_mask(*args, attention_mask=None, config=None, **kwargs):
-    """Mask function: remembers the 2D padding mask for the cache layers, builds the backend's usual mask."""
-    is_2d = isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2
-    # one check per forward (not one per layer): an all-ones mask (generate() without padding) is no padding
-    _STATE.padding = attention_mask if is_2d and not bool(attention_mask.all()) else None
+    """Mask function: the backend's usual mask (policy layers mask from their own state instead; the
+    forward's padding reaches them through ``forward_state``)."""
     fn = eager_mask if backend_of(config) == "eager" else sdpa_mask
     return fn(*args, attention_mask=attention_mask, config=config, **kwargs)
 
@@ -116,7 +97,7 @@ def window_scores(query, key, scaling: float, valid=None) -> torch.Tensor:
 
 def kvcompress_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention function registered as ``"kvcompress"``: query (B, H, q, D), key/value (B, H_kv, T, D)."""
-    layer = _take_layer(module)
+    layer = _take_layer(module, kwargs)
     if layer is not None:  # the layer may narrow what this query reads (Quest) and masks from its own state
         with TIMER.measure():
             key, value, attention_mask = layer.attend(query, key, value)
@@ -127,7 +108,7 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
             return layer.attend_codes(query, scaling), None
         with TIMER.measure():
             key, value = layer.read_deferred()
-    wants = layer is not None and layer.wants_scores
+    wants = layer is not None and layer.observes()
     grouped = wants or getattr(layer, "grouped_decode", False)
     probs = None
     if grouped and query.shape[2] == 1 and attention_mask is None and _fusable(module, kwargs):
@@ -189,12 +170,27 @@ def register() -> None:
 
 
 def install(model) -> None:
-    """Route ``model``'s attention through ``"kvcompress"``, keeping its sdpa/eager kernel as the backend."""
+    """Route ``model``'s attention through ``"kvcompress"``, keeping its sdpa/eager kernel as the backend, and
+    hook its forward (and its base model's) so each forward hands its cache a fresh ``ForwardState``."""
     register()
     current = model.config._attn_implementation
     if current != NAME:
         model.config.kvcompress_backend = current if current in BACKENDS else "sdpa"
         model.set_attn_implementation(NAME)
+    if not getattr(model, HOOKS, None):
+        modules = {id(m): m for m in (model, getattr(model, "base_model", model))}.values()
+        handles = [m.register_forward_pre_hook(forward_state.pre_hook, with_kwargs=True) for m in modules]
+        setattr(model, HOOKS, handles)
+
+
+def uninstall(model) -> None:
+    """Undo ``install``: the model's own attention implementation again, no hooks (caches built for it then
+    stop working with it)."""
+    for handle in getattr(model, HOOKS, None) or ():
+        handle.remove()
+    setattr(model, HOOKS, None)
+    if model.config._attn_implementation == NAME:
+        model.set_attn_implementation(backend_of(model.config))
 
 
 def set_backend(model, backend: str) -> None:

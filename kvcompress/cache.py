@@ -10,7 +10,7 @@ import weakref
 
 from transformers.cache_utils import Cache
 
-from kvcompress import attention, persist, registry
+from kvcompress import attention, forward_state, persist, registry
 from kvcompress.families import attention_layout
 from kvcompress.policies.base import ModelSpec, Policy
 from kvcompress.profiling import TIMER
@@ -23,18 +23,21 @@ __all__ = ["CONF_DIR", "KVCache", "build_cache", "known_policies", "known_storag
 class KVCache(Cache):
     """A ``Cache`` of policy layers; adds ``memory_bytes()`` and ``stats()``."""
 
+    takes_forward_state = True  # install()'s hook hands each forward a fresh ForwardState (forward_state)
+
     def __init__(self, layers, policy, model=None):
         super().__init__(layers=layers)
         self.policy = policy
         self._model = None if model is None else weakref.ref(model)  # for save(): its fingerprint
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        layer = self.layers[layer_idx]
+        layer, state = self.layers[layer_idx], forward_state.of(kwargs.get("kwargs"))
         with TIMER.measure():
             keys, values = layer.update(
-                key_states, value_states, positions=_positions(key_states, args, kwargs)
+                key_states, value_states, positions=_positions(key_states, args, kwargs), forward=state
             )
-        attention.set_current_layer(layer)
+        if state is not None:
+            state.stored(layer_idx, layer)
         return keys, values
 
     def memory_bytes(self) -> int:

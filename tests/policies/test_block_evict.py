@@ -12,7 +12,8 @@ import torch
 from helpers import stream_logits
 from transformers import DynamicCache
 
-from kvcompress import attention, build_cache
+from kvcompress import build_cache
+from kvcompress.forward_state import ForwardState
 from kvcompress.policies import BlockEvictPolicy, ModelSpec
 
 D = 16
@@ -34,8 +35,7 @@ def tagged(batch: int, start: int, stop: int, block_size: int | None = None, see
 
 def step(layer, keys, values, queries, padding=None) -> None:
     """Append keys/values (B, 2, q, D), then hand the layer the attention of ``queries`` (B, 4, w, D)."""
-    attention._STATE.padding = padding
-    k, _ = layer.update(keys, values)
+    k, _ = layer.update(keys, values, forward=ForwardState(padding))
     layer.observe_attention(queries, k, 1.0)
 
 

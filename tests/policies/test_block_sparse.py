@@ -9,16 +9,11 @@ import torch
 from helpers import stream_logits
 from transformers import DynamicCache
 
-from kvcompress import attention, build_cache
+from kvcompress import build_cache
 from kvcompress.metrics.memory import read_summary
 from kvcompress.policies import BlockSparsePolicy, ModelSpec
 
 SPEC = ModelSpec(num_layers=1, num_heads=6, num_kv_heads=2, head_dim=8, max_positions=512)
-
-
-@pytest.fixture
-def no_padding(monkeypatch):
-    monkeypatch.setattr(attention._STATE, "padding", None, raising=False)
 
 
 def _filled_layer(policy, n_tokens, seed=0):
@@ -40,7 +35,7 @@ def test_covering_all_pages_reproduces_full_logits(llama, tokens):
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 8])
-def test_page_bounds_are_upper_bounds_of_qk(block_size, no_padding):
+def test_page_bounds_are_upper_bounds_of_qk(block_size):
     layer, keys = _filled_layer(BlockSparsePolicy(block_size=block_size, top_k_blocks=2), 45)
     query = torch.randn(1, SPEC.num_heads, SPEC.head_dim, generator=torch.Generator().manual_seed(5))
     bound = layer.page_bounds(query)  # (1, H_kv, P)
@@ -63,7 +58,7 @@ def _elementwise_bounds(page_min, page_max, query):
 
 
 @pytest.mark.parametrize("ratio", [0.25, 0.5])
-def test_batched_page_bounds_select_the_pages_of_the_elementwise_bound(ratio, no_padding, monkeypatch):
+def test_batched_page_bounds_select_the_pages_of_the_elementwise_bound(ratio, monkeypatch):
     layer, _ = _filled_layer(BlockSparsePolicy(block_size=4, read_ratio=ratio), 200)
     g = torch.Generator().manual_seed(7)
     queries = [torch.randn(1, SPEC.num_heads, SPEC.head_dim, generator=g) for _ in range(20)]
@@ -79,7 +74,7 @@ def test_batched_page_bounds_select_the_pages_of_the_elementwise_bound(ratio, no
     assert all(torch.equal(a, layer.select(q)) for a, q in zip(got, queries, strict=True))
 
 
-def test_selection_takes_best_pages_plus_sink_and_newest(no_padding):
+def test_selection_takes_best_pages_plus_sink_and_newest():
     policy = BlockSparsePolicy(block_size=4, top_k_blocks=3, sink_blocks=1)
     layer, keys = _filled_layer(policy, 30)  # pages 0..7, page 7 partial
     query = torch.zeros(1, SPEC.num_heads, SPEC.head_dim)
@@ -89,7 +84,7 @@ def test_selection_takes_best_pages_plus_sink_and_newest(no_padding):
     assert layer.select(query).tolist() == [[[0, 4, 7], [0, 4, 7]]]
 
 
-def test_attend_reads_only_selected_pages_and_counts_bytes(no_padding):
+def test_attend_reads_only_selected_pages_and_counts_bytes():
     policy = BlockSparsePolicy(block_size=4, top_k_blocks=3, sink_blocks=1, fused_attention="off")
     layer = policy.layer(0, SPEC)
     keys = torch.randn(1, SPEC.num_kv_heads, 30, SPEC.head_dim)
@@ -119,7 +114,7 @@ def _page_kernel_or_skip():
 
 @pytest.mark.usefixtures("kernel_isa")
 @pytest.mark.parametrize("n_tokens,block_size", [(30, 4), (64, 16), (65, 16)])
-def test_pages_read_in_place_equal_attention_over_the_gathered_pages(no_padding, n_tokens, block_size):
+def test_pages_read_in_place_equal_attention_over_the_gathered_pages(n_tokens, block_size):
     _page_kernel_or_skip()
     out = {}
     for mode in ("auto", "off"):
@@ -144,7 +139,7 @@ def test_pages_read_in_place_equal_attention_over_the_gathered_pages(no_padding,
 
 @pytest.mark.usefixtures("kernel_isa")
 @pytest.mark.parametrize("block_size,ratio,sinks", [(4, 0.25, 1), (4, 0.5, 0), (16, 0.25, 2), (1, 0.1, 3)])
-def test_the_kernels_page_choice_is_the_tensor_forms(no_padding, block_size, ratio, sinks):
+def test_the_kernels_page_choice_is_the_tensor_forms(block_size, ratio, sinks):
     """``fused_pages.select`` (one C++ call) returns the pages of ``page_bounds`` + ``_select_unpadded``."""
     _page_kernel_or_skip()
     from kvcompress import fused_pages

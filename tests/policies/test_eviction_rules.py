@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from kvcompress import attention
 from kvcompress.policies import H2OPolicy, SnapKVPolicy, TOVAPolicy
 from kvcompress.policies.base import ModelSpec
 
@@ -34,7 +33,6 @@ def queries(logits: list[list[dict]]) -> torch.Tensor:
 
 def step(layer, start: int, stop: int, q: torch.Tensor) -> None:
     """Append tokens start..stop-1 and hand the layer the attention of the queries ``q`` (B, H, w, D)."""
-    attention._STATE.padding = None  # no padding in these direct calls
     keys = onehot_keys(q.shape[0], start, stop)
     k, _ = layer.update(keys, keys.clone())
     layer.observe_attention(q, k, 1.0)
@@ -97,7 +95,6 @@ def test_h2o_decode_drop_is_selects_choice_ties_included():
         else:
             drop = layer._drop_lowest
             layer._drop_lowest = lambda protected, _f=drop: fast.append(_f(protected)) or fast[-1]
-        attention._STATE.padding = None
         k, _ = layer.update(keys[:, :, :160], keys[:, :, :160].clone())
         layer.observe_attention(qs[0].expand(-1, -1, 2, -1), k, 1.0)
         runs[name] = []

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import make_tiny
 
-from kvcompress import attention, build_cache
+from kvcompress import build_cache
 from kvcompress.policies import ExpectedAttentionPolicy
 from kvcompress.policies.base import ModelSpec
 from kvcompress.policies.expected_attention import expected_scores, query_statistics
@@ -51,7 +51,6 @@ def test_keeps_the_keys_future_queries_will_attend_plus_sinks():
     policy = ExpectedAttentionPolicy(budget=3, compression_ratio=None, sink_tokens=1, future_positions=4)
     policy.rope = [INV]
     layer = policy.layer(0, spec)
-    attention._STATE.padding = None
     keys = torch.randn(1, 1, 10, D, generator=torch.Generator().manual_seed(1)) * 0.1
     direction = torch.zeros(D)
     direction[0] = 1.0  # the pair that turns slowest: still aligned a few positions on
