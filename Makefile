@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 RUN_DIR ?= multirun/make-run
 
-.PHONY: install run test test-fast lint bench bench-quant results clean
+.PHONY: install run test test-portable test-fast lint bench bench-quant results clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,10 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest tests
+
+# The whole suite on the portable build of the C++ kernels (no -march=native: what a CPU without AVX-512 runs).
+test-portable: install
+	KVCOMPRESS_CPU_ISA=portable $(BIN)/python -m pytest tests
 
 test-fast: install
 	$(BIN)/python -m pytest tests -m "not integration and not slow"

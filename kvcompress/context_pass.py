@@ -84,7 +84,9 @@ def reconstruction_chunks(context_ids, attention_mask, prompts: Prompts, chunk: 
 
 @torch.inference_mode()
 def compress_context(model, cache, context_ids, tokenizer=None, attention_mask=None) -> dict:
-    """Run the context pass of every layer that needs one, then let those layers evict.
+    """Run the context pass of every layer that needs one, then let those layers evict; the other layers
+    (the model's own window on windowed layers, ``full`` layers of a schedule) see the reconstruction as the
+    model would and store none of it.
 
     Args:
         context_ids: (B, T) the ids just prefilled (left padded as they were, with ``attention_mask``).
@@ -96,29 +98,24 @@ def compress_context(model, cache, context_ids, tokenizer=None, attention_mask=N
     layers = [layer for layer in cache.layers if getattr(layer, "needs_context_pass", False)]
     if not layers:
         return {"context_pass": False}
-    if len(layers) != len(cache.layers):
-        others = [i for i, layer in enumerate(cache.layers) if layer not in layers]
-        raise ValueError(
-            f"compress_context: layers {others} do not take part in the context pass and would store the "
-            "reconstruction's tokens; a schedule cannot mix kvzip with other selectors"
-        )
     start, seen = time.perf_counter(), cache.get_seq_length()
     pads = 0 if attention_mask is None else (attention_mask == 0).sum(-1, keepdim=True).cpu()
     prompts, size = repeat_prompts(tokenizer), layers[0].policy.context_chunk
     chunks = list(reconstruction_chunks(context_ids, attention_mask, prompts, size))
-    for layer in layers:
+    for layer in cache.layers:  # the others (the model's window on windowed layers) store nothing either
         layer.begin_context_pass()
     try:
         for ids, valid in chunks:
             _reconstruct(model, cache, ids, valid, seen - pads)
     except BaseException:
-        for layer in layers:
+        for layer in cache.layers:
             layer.end_context_pass(evict=False)
         raise
     from kvcompress.policies.kvzip_budgets import plan
 
-    for layer, keep in zip(layers, plan(layers), strict=True):
-        layer.end_context_pass(keep=keep)
+    keeps = dict(zip(map(id, layers), plan(layers), strict=True))
+    for layer in cache.layers:
+        layer.end_context_pass(keep=keeps.get(id(layer)))
     seconds = time.perf_counter() - start
     return {"context_pass": True, "context_pass_s": seconds, "context_chunks": len(chunks)}
 

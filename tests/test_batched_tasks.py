@@ -11,7 +11,9 @@ from kvcompress import make_policy
 from kvcompress.tasks import multi_niah, niah
 from kvcompress.tasks.batched import batches
 
-CACHE_FIELDS = ("tokens_stored_mean", "cache_bytes", "tokens_evicted", "compressed", "batch_rows")
+# what a batch's slots change: padding slots are stored, read and counted
+CACHE_FIELDS = ("tokens_stored_mean", "cache_bytes", "cache_ratio", "read_ratio", "tokens_evicted",
+                "compressed", "batch_rows")  # fmt: skip
 
 
 def _answers(metrics: dict) -> list[dict]:

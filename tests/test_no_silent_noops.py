@@ -82,6 +82,38 @@ def test_full_is_never_flagged_and_quant_counts_by_bytes(llama, char_tokenizer, 
     assert quant["tokens_evicted"] == 0 and quant["compressed"] is True and warned == []
 
 
+def test_quest_reading_fewer_pages_is_compressed_by_its_read_ratio(llama, char_tokenizer, tmp_path):
+    """block_sparse stores every token (and page bounds: more bytes than full) but reads fewer: its logits
+    are not full's, so it is compressed by ``read_ratio``, never flagged as "those numbers are full's"."""
+    got, warned = _run_task(llama, char_tokenizer, _ppl_cfg(tmp_path), "block_sparse", block_size=4,
+                            top_k_blocks=2)  # fmt: skip
+    assert got["tokens_evicted"] == 0 and got["cache_ratio"] > 1.0 and got["read_ratio"] < 0.7
+    assert got["compressed"] is True and "warning" not in got and warned == []
+    full, _ = _run_task(llama, char_tokenizer, _ppl_cfg(tmp_path), "full")
+    assert full["read_ratio"] == 1.0 and got["perplexity"] != full["perplexity"]
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral", "qwen2"])
+def test_full_reads_everything_the_model_reads_on_windowed_families(family):
+    """``read_ratio`` compares with the model's own attention: ``full`` on a windowed model is exactly 1
+    (its window is the model's semantics) token by token and in chunks; a sliding window inside the model's
+    below 1 (each step's last query counts)."""
+    from helpers import stream_logits
+    from zoo import make_family
+
+    from kvcompress.metrics.compression import read_ratio
+
+    model = make_family(family)
+    ids = torch.randint(2, 90, (1, 40), generator=torch.Generator().manual_seed(0))
+    for chunk in (1, 7):
+        cache = build_cache("full", model)
+        stream_logits(model, ids, cache, chunk)
+        assert read_ratio(cache) == 1.0
+    window = build_cache("sliding_window", model, window=8, sink_tokens=2, apply_to="all")
+    stream_logits(model, ids, window, 1)
+    assert read_ratio(window) < 1.0
+
+
 def test_a_budget_that_covers_the_text_is_flagged(llama, char_tokenizer, tmp_path):
     cfg = _ppl_cfg(tmp_path, prefix_tokens=32)
     got, warned = _run_task(llama, char_tokenizer, cfg, "sliding_window", sink_tokens=2, window=64)
@@ -105,6 +137,7 @@ def _niah_cfg(tmp_path):
         ("full", {}, False, False),
         ("snapkv", SnapKVPolicy.TEST_PARAMS, True, False),
         ("quant", QuantPolicy.TEST_PARAMS, True, False),
+        ("block_sparse", {"block_size": 4, "top_k_blocks": 2}, True, False),
         ("snapkv", {"budget": 500, "compression_ratio": None}, False, True),
     ],
 )
@@ -117,6 +150,11 @@ def test_retrieval_records_whether_each_case_compressed(
     case = m["cases"][0]
     assert case["compressed"] is compressed and m["compressed"] is compressed
     evicts = policy == "snapkv" and compressed
+    reads_fewer = policy == "block_sparse" or evicts  # Quest's pages; an evicted token is not read either
+    assert (case["read_ratio"] < 1.0) == reads_fewer and m["read_ratio"] == case["read_ratio"]
+    assert m["cache_ratio"] == case["cache_ratio"] and (case["cache_ratio"] < 1.0) == (
+        policy in ("quant", "snapkv") and compressed
+    )
     assert m["tokens_evicted"] == case["tokens_evicted"] and (case["tokens_evicted"] > 0) == evicts
     assert ("warning" in m) is flagged and any(
         "did not compress" in str(w.message) for w in caught

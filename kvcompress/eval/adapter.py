@@ -27,12 +27,19 @@ from kvcompress import packed_linears
 from kvcompress.attention import set_backend
 from kvcompress.cache import CONF_DIR, build_cache, known_policies, make_policy
 from kvcompress.calibration_text import cache_spans
+from kvcompress.context_pass import needs_context_pass, prefill
 from kvcompress.eval.batching import check_batch_size, equal_length_groups
 from kvcompress.eval.calibration_guard import CalibrationGuard
 from kvcompress.eval.streamed import Scores, score_requests, stream
-from kvcompress.metrics.compression import flag_uncompressed, full_cache_bytes, is_compressed, tokens_evicted
+from kvcompress.metrics.compression import (
+    flag_uncompressed,
+    full_cache_bytes,
+    is_compressed,
+    read_counts,
+    tokens_evicted,
+)
 from kvcompress.models import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_model_dir, resolve_device
-from kvcompress.padding import check_padding
+from kvcompress.padding import Padded, check_padding
 from kvcompress.policies.base import Policy
 
 POLICY_PREFIX, HF_PREFIX = "policy.", "hf."  # model args meant for the policy's fields / for ``hf`` itself
@@ -99,8 +106,14 @@ def resolve_pretrained(pretrained: str, kwargs: dict) -> tuple[str, dict]:
 KINDS = ("loglikelihood", "generate")
 
 
-def _hint(kind: str, chunk_size: int) -> str:
+def _hint(kind: str, chunk_size: int, context_pass: bool) -> str:
     """What to set when requests of ``kind`` never compressed."""
+    if context_pass:  # KVzip: only a context pass compresses, whatever the chunks
+        return (
+            "A query-agnostic policy compresses each request's context (its prompt for generation): these "
+            "contexts were within its budget, or a single token (rolling log-likelihoods of documents "
+            "shorter than max_length): lower the budget or set max_length below the documents' length."
+        )
     if kind == "generate":
         return "Generation prefills the prompt whole: lower the budget below the prompt length."
     return (
@@ -111,7 +124,7 @@ def _hint(kind: str, chunk_size: int) -> str:
 
 
 def _counters() -> dict:
-    return {"requests": 0, "tokens": 0, "tokens_evicted": 0}
+    return {"requests": 0, "tokens": 0, "tokens_evicted": 0, "tokens_read": 0.0, "tokens_visible": 0}
 
 
 @register_model("kvcompress")
@@ -147,6 +160,7 @@ class KVCompressLM(CalibrationGuard, HFLM):
         packed_linears.apply(self.model, linears)  # a model handed in packed already is left as it is
         cache = build_cache(policy, self.model)  # validates the policy, installs the attention hook
         self.calibration_ranges = cache_spans(cache)  # documents reading these are refused
+        self.context_pass = needs_context_pass(cache)  # KVzip: each request's context is compressed first
         self.kvc_stats = {**_counters(), "chunk_size": self.chunk_size, "forward_calls": 0}
         self.kvc_stats |= {kind: _counters() for kind in KINDS}
 
@@ -157,10 +171,13 @@ class KVCompressLM(CalibrationGuard, HFLM):
         """Count the call's rows and evicted tokens (padding included), overall and for its ``kind``
         (``KINDS``); keep the cache size of the longest sequence (tokens consumed, bytes held)."""
         evicted = tokens_evicted(cache) * batch  # slots dropped, in every row of the batch
+        read, visible = read_counts(cache)
         self.kvc_stats["forward_calls"] += forwards
         for stats in (self.kvc_stats, self.kvc_stats[kind]):
             stats["requests"] += batch  # rows: a batch of 8 is 8 requests
             stats["tokens_evicted"] += evicted
+            stats["tokens_read"] += read * batch
+            stats["tokens_visible"] += visible * batch
             if cache.get_seq_length() >= stats["tokens"]:
                 stats.update(tokens=cache.get_seq_length(), batch=batch, cache_bytes=cache.memory_bytes())
 
@@ -173,15 +190,19 @@ class KVCompressLM(CalibrationGuard, HFLM):
             c = self.kvc_stats[kind]
             if c["requests"]:
                 full = full_cache_bytes(self.model, c["tokens"], c["batch"])
-                verdicts[kind] = is_compressed(c["tokens_evicted"], c["cache_bytes"], full)
+                read = c["tokens_read"] / c["tokens_visible"] if c["tokens_visible"] else None
+                verdicts[kind] = is_compressed(c["tokens_evicted"], c["cache_bytes"], full, read)
         missed = [kind for kind, ok in verdicts.items() if not ok]
+        visible = self.kvc_stats["tokens_visible"]
         result = {
             "tokens_evicted": self.kvc_stats["tokens_evicted"],
+            "read_ratio": self.kvc_stats["tokens_read"] / visible if visible else None,
             "compressed": bool(verdicts) and not missed,
         }
         if missed:
-            what = " or ".join(f"its {k} requests" for k in missed) + " (no eviction, bytes not below full)"
-            hint = " ".join(_hint(k, self.chunk_size) for k in missed)
+            evidence = " (no eviction, every token read, bytes not below full)"
+            what = " or ".join(f"its {k} requests" for k in missed) + evidence
+            hint = " ".join(dict.fromkeys(_hint(k, self.chunk_size, self.context_pass) for k in missed))
             result |= flag_uncompressed(self.policy.name, what, hint)
         return result
 
@@ -200,19 +221,38 @@ class KVCompressLM(CalibrationGuard, HFLM):
                 results[i] = result
         return results
 
-    def _chunk_logits(self, inps: torch.Tensor):
-        """Each forward's logits (B, c, V) of ``inps`` (B, T) streamed through a fresh policy cache,
-        ``chunk_size`` tokens per forward; the cache's counters are recorded once the stream ends."""
-        cache = self._new_cache()
-        starts = range(0, inps.shape[1], self.chunk_size)
+    def _chunk_logits(self, inps: torch.Tensor, cache=None, start: int = 0):
+        """Each forward's logits (B, c, V) of ``inps`` (B, T) from position ``start`` on, streamed through
+        ``cache`` (a fresh policy cache by default), ``chunk_size`` tokens per forward; the cache's counters
+        are recorded once the stream ends."""
+        cache = self._new_cache() if cache is None else cache
+        starts = range(start, inps.shape[1], self.chunk_size)
         for s in tqdm(starts, desc="kvcompress stream", leave=False, disable=len(starts) < 256):
             yield self.model(inps[:, s : s + self.chunk_size], cache=cache, use_cache=True).logits
         self._record(cache, inps.shape[0], len(starts), "loglikelihood")
 
-    def _stream(self, inps: torch.Tensor, inplens: list[int]) -> Scores:
-        """``streamed.stream`` of ``inps`` (B, T): scored as each forward's logits come."""
+    def _stream(self, inps: torch.Tensor, inplens: list[int], prompts: list[int] | None = None) -> Scores:
+        """``streamed.stream`` of ``inps`` (B, T): scored as each forward's logits come. With a policy that
+        compresses by a context pass (KVzip), each row's prompt (``prompts[i]`` tokens: the request's
+        context but its last token) is prefilled and compressed first, and the rest streams through the
+        compressed cache, one row at a time (each row's context is its own)."""
         with torch.no_grad():
-            return stream(self._chunk_logits(inps), inps, inplens, self.softmax_dtype)
+            if not self.context_pass or prompts is None:
+                return stream(self._chunk_logits(inps), inps, inplens, self.softmax_dtype)
+            rows = [
+                self._compressed_row(inps[i : i + 1], n, p)
+                for i, (n, p) in enumerate(zip(inplens, prompts, strict=True))
+            ]
+            return Scores(*(torch.cat([getattr(r, f) for r in rows]) for f in ("logprob", "greedy", "last")))
+
+    def _compressed_row(self, row: torch.Tensor, inplen: int, prompt: int) -> Scores:
+        """One row (1, T): its first ``prompt`` tokens prefilled and compressed (``context_pass.prefill``),
+        the rest streamed through the compressed cache and scored."""
+        cache = self._new_cache()
+        if prompt > 0:
+            prefill(self.model, cache, row[:, :prompt], self.tokenizer, logits_to_keep=1)
+        chunks = self._chunk_logits(row[:, :inplen], cache, start=prompt)
+        return stream(chunks, row, [inplen], self.softmax_dtype, start=prompt)
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
         """Logits (B, T, V) of ``inps`` (B, T), every forward's kept (lm-eval's paths other than
@@ -232,6 +272,9 @@ class KVCompressLM(CalibrationGuard, HFLM):
         mask = generation_kwargs.get("attention_mask")
         if mask is not None and not bool(mask.all()):  # lm-eval pads a batch's prompts on the left
             check_padding(cache, self.policy.name, "batch_size")
+        if self.context_pass:  # the prompt but its last token, prefilled and compressed; generate() goes on
+            head = None if mask is None else mask[:, :-1]
+            Padded(self.model, cache, head).prompt(context[:, :-1], self.tokenizer)
         out = super()._model_generate(context, max_length, stop, cache=cache, **generation_kwargs)
         self._record(cache, context.shape[0], out.shape[1] - context.shape[1], "generate")
         return out

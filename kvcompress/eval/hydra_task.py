@@ -92,6 +92,8 @@ def run(model, tokenizer, policy, cfg) -> dict:
         metrics["full_cache_bytes"] = full_cache_bytes(model, stats["tokens"], stats["batch"])
         metrics["cache_ratio"] = metrics["cache_bytes"] / metrics["full_cache_bytes"]
     info = out.get("config", {}).get("kvcompress") or lm.get_model_info()["kvcompress"]
-    metrics.update({k: info[k] for k in ("tokens_evicted", "compressed", "warning") if k in info})
+    metrics.update(
+        {k: info[k] for k in ("tokens_evicted", "read_ratio", "compressed", "warning") if k in info}
+    )
     metrics["cases"] = cases(out)
     return metrics

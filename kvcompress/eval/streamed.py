@@ -44,8 +44,9 @@ def batch_inputs(rows: list[list[int]], device) -> torch.Tensor:
     return out.to(device)
 
 
-def stream(chunks, inps: torch.Tensor, inplens: list[int], softmax_dtype=None) -> Scores:
-    """Score ``inps`` (B, T) from ``chunks``: each forward's logits (B, c, V), in order over the positions.
+def stream(chunks, inps: torch.Tensor, inplens: list[int], softmax_dtype=None, start: int = 0) -> Scores:
+    """Score ``inps`` (B, T) from ``chunks``: each forward's logits (B, c, V), in order over the positions
+    from ``start`` on (the positions before it, a prompt prefilled and compressed first, are never read).
 
     ``inplens``: each row's real length; row i's last position is ``inplens[i] - 1``.
     """
@@ -53,11 +54,11 @@ def stream(chunks, inps: torch.Tensor, inplens: list[int], softmax_dtype=None) -
     following = torch.cat([inps[:, 1:], inps.new_zeros(B, 1)], dim=1)  # (B, T) what each position predicts
     ends = [n - 1 for n in inplens]
     logprob = greedy = last = None
-    s = 0
+    s = start
     for logits in chunks:
         lsm = F.log_softmax(logits, dim=-1, dtype=softmax_dtype)  # lm-eval's call, on one chunk
-        if logprob is None:
-            logprob = lsm.new_empty(B, T)
+        if logprob is None:  # NaN before ``start``: a read there would show
+            logprob = lsm.new_full((B, T), float("nan"))
             greedy = torch.empty(B, T, dtype=torch.long, device=lsm.device)
             last = lsm.new_empty(B, lsm.shape[-1])
         c = lsm.shape[1]
@@ -132,7 +133,11 @@ def score_requests(lm, requests: list, disable_tqdm: bool = False) -> list[tuple
     for batch in order.get_batched(n=int(lm.batch_size)):
         rows = [input_tokens(request, lm.max_length) for request in batch]
         inps = batch_inputs(rows, lm.device)
-        scores = lm._stream(inps, [len(row) for row in rows])
+        # each row's context but its last token (the first scored position is the context's last token)
+        prompts = [
+            len(row) - len(continuation) for row, (_, _, continuation) in zip(rows, batch, strict=True)
+        ]
+        scores = lm._stream(inps, [len(row) for row in rows], prompts)
         for i, (key, context, continuation) in enumerate(batch):
             # get_cache expands its last argument for the requests sharing row i: a (1, 1, 1) stand-in
             for key_, cont, _ in order.get_cache(key, context, continuation, inps[i : i + 1, :1, None]):

@@ -1,8 +1,11 @@
-"""Did a run really compress? Evicted tokens and bytes against ``full``, and a warning when it did not.
+"""Did a run really compress? One definition for every task, and a warning when it did not.
 
-A policy that never acts in the chosen setting (SnapKV or PyramidKV under one-token streaming, a budget
-that covers the whole text) reports ``full``'s numbers; such a run is marked ``compressed: false`` with a
-``warning`` that says why and what to set, never passed off as a result.
+``compressed`` is true when the cache held fewer tokens than the sequence consumed (``tokens_evicted``), held
+fewer bytes than ``full`` on the same tokens (``cache_ratio`` below 1: quantized and low-rank storages), or
+its steps attended to fewer tokens than the model's own attention would have (``read_ratio`` below 1: Quest
+pages, a tiered cache's cold tier). A policy that never acts in the chosen setting (SnapKV or PyramidKV under
+one-token streaming, a budget that covers the whole text) reports ``full``'s numbers; such a run is marked
+``compressed: false`` with a ``warning`` that says why and what to set, never passed off as a result.
 """
 
 from __future__ import annotations
@@ -44,10 +47,24 @@ def _measure_full(model, tokens: int) -> int:
     return cache.memory_bytes()
 
 
-def is_compressed(evicted: int, cache_bytes: int, full_bytes: int) -> bool:
-    """Tokens were evicted, or the cache holds fewer bytes than ``full`` would on the same tokens
-    (quantized and low-rank storages)."""
-    return evicted > 0 or cache_bytes < full_bytes
+def read_counts(cache) -> tuple[float, int]:
+    """Tokens the cache's steps read (each step's last query, summed over layers and steps) and tokens the
+    model's own attention would have read in the same steps (``PolicyLayer.count_read``)."""
+    stats = cache.stats() if hasattr(cache, "stats") else []
+    return sum(s.get("tokens_read", 0.0) for s in stats), sum(s.get("tokens_visible", 0) for s in stats)
+
+
+def read_ratio(cache) -> float | None:
+    """``tokens_read / tokens_visible`` of ``cache`` (1.0 for ``full`` on every family), None before any step
+    or for a cache without read counters (transformers' own)."""
+    read, visible = read_counts(cache)
+    return read / visible if visible else None
+
+
+def is_compressed(evicted: int, cache_bytes: int, full_bytes: int, read: float | None = None) -> bool:
+    """Tokens were evicted, the cache holds fewer bytes than ``full`` would on the same tokens, or its steps
+    read fewer tokens than the model's attention would have (``read``: the read ratio, None if unknown)."""
+    return evicted > 0 or cache_bytes < full_bytes or (read is not None and read < 1.0 - 1e-9)
 
 
 def flag_uncompressed(policy_name: str, what: str, hint: str) -> dict:
@@ -64,14 +81,17 @@ def flag_uncompressed(policy_name: str, what: str, hint: str) -> dict:
     return {"warning": message}
 
 
-def compression_check(policy_name: str, evicted: int, cache_bytes: int, full_bytes: int, hint: str) -> dict:
-    """``{"tokens_evicted", "compressed"}`` of one cache, plus ``warning`` when a policy other than ``full``
-    neither evicted a token nor held fewer bytes than ``full`` on the same tokens."""
-    compressed = is_compressed(evicted, cache_bytes, full_bytes)
-    result = {"tokens_evicted": int(evicted), "compressed": compressed}
+def compression_check(
+    policy_name: str, evicted: int, cache_bytes: int, full_bytes: int, hint: str, read: float | None = None
+) -> dict:
+    """``{"tokens_evicted", "read_ratio", "compressed"}`` of one cache, plus ``warning`` when a policy other
+    than ``full`` evicted no token, held no fewer bytes than ``full`` and read every token it could."""
+    compressed = is_compressed(evicted, cache_bytes, full_bytes, read)
+    result = {"tokens_evicted": int(evicted), "read_ratio": read, "compressed": compressed}
     if not compressed:
         evidence = (
-            f"0 tokens evicted and {cache_bytes} cache bytes vs {full_bytes} for 'full' on the same tokens"
+            f"0 tokens evicted, every token read (read_ratio {read}) and {cache_bytes} cache bytes vs "
+            f"{full_bytes} for 'full' on the same tokens"
         )
         result |= flag_uncompressed(policy_name, f"in this run ({evidence})", hint)
     return result

@@ -221,6 +221,7 @@ class BlockSparseLayer(PolicyLayer):
         c["kv_bytes_read"] = c["kv_bytes_read"] + tokens_read * row_bytes
         c["meta_bytes_read"] = c["meta_bytes_read"] + pages_total * row_bytes
         c["kv_bytes_full"] = c["kv_bytes_full"] + tokens_full * row_bytes
+        self.count_read(tokens_read / (key.shape[0] * key.shape[1]))  # per row and KV head
 
     def stats(self) -> dict:
         c = {k: int(v) for k, v in self.counters.items()}

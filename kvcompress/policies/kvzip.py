@@ -16,21 +16,18 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress import attention
 from kvcompress.fields import Choice, Int
 from kvcompress.policies.base import Shape
 from kvcompress.policies.eviction import EvictionLayer, EvictionPolicy
 from kvcompress.policies.kvzip_scores import max_attention
-from kvcompress.policies.layer import cat_valid
 
 SCOPES = ("layer", "model")
 
 
 class KVzipLayer(EvictionLayer):
-    """Between ``begin_context_pass`` and ``end_context_pass`` the layer is in reconstruction mode:
-    ``update`` returns the stored keys/values followed by the chunk's own and stores nothing, so the
-    reconstruction's tokens never enter the cache; ``observe_attention`` keeps the running maximum
-    ``pass_scores`` (B, H_kv, T) float32, freed when the pass ends."""
+    """Between ``begin_context_pass`` and ``end_context_pass`` the layer is in reconstruction mode
+    (``ContextPassMode``: the reconstruction's tokens never enter the cache) and ``observe_attention``
+    keeps the running maximum ``pass_scores`` (B, H_kv, T) float32, freed when the pass ends."""
 
     needs_context_pass = True
     # decode attends as the other eviction layers do (grouped by KV head, no repeated keys): on a CPU it takes
@@ -40,7 +37,6 @@ class KVzipLayer(EvictionLayer):
     def __init__(self, policy, layer_idx, spec, store):
         super().__init__(policy, layer_idx, spec, store)
         self.pass_scores: torch.Tensor | None = None
-        self._pass_keys = self._pass_queries = None  # this chunk's key / query validity, or None
         self.context_passes = 0
 
     @property
@@ -52,30 +48,14 @@ class KVzipLayer(EvictionLayer):
         self.pass_scores, self.context_passes = None, 0
 
     def begin_context_pass(self) -> None:
-        if not self.is_initialized:
-            raise RuntimeError("kvzip: compress_context needs a prefilled cache (no tokens stored yet)")
-        if self.window is not None:
-            raise ValueError(
-                f"kvzip.apply_to=all: layer {self.layer_idx} is a windowed layer (window {self.window}); the "
-                "context pass runs on full-attention layers only: use apply_to=full_attention"
-            )
+        super().begin_context_pass()
         self.pass_scores = torch.zeros(*self.store.read()[0].shape[:3], device=self.device)
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if self.pass_scores is None:
-            return super().update(key_states, value_states, *args, **kwargs)
-        keys, values = self.store.read()  # (B, H_kv, T, D): what the context left, nothing appended
-        b, _, q, _ = key_states.shape
-        self._pass_queries = attention.new_token_validity(b, q, key_states.device)  # (B, q) or None
-        valid = cat_valid(self.valid, self._pass_queries, keys.shape[-2], b, q, key_states.device)
-        self._view = (keys.shape[-2] + q, valid, None)  # causal among the pass tokens, after the context
-        self._pass_keys = valid
-        return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
 
     def observe_attention(self, query, key, scaling: float, probs=None) -> None:
         stored = self.pass_scores.shape[-1]
-        top = max_attention(query, key, scaling, stored, self._pass_keys, self._pass_queries)
-        self._pass_keys = self._pass_queries = None
+        keys_valid, queries_valid = self.pass_valid
+        top = max_attention(query, key, scaling, stored, keys_valid, queries_valid)
+        self.pass_valid = None
         torch.maximum(self.pass_scores, top, out=self.pass_scores)
 
     def end_step(self) -> None:
@@ -95,8 +75,8 @@ class KVzipLayer(EvictionLayer):
     def end_context_pass(self, evict: bool = True, keep: int | None = None) -> None:
         """Evict to ``keep`` tokens per head (default: the target) by the reconstruction scores; the first
         ``sink_tokens`` real tokens stay. ``evict=False`` (a failed pass) leaves the prefill's cache."""
+        super().end_context_pass()
         scores, self.pass_scores = self.pass_scores, None
-        self._pass_keys = self._pass_queries = None
         if not evict:
             return
         k = self.target() if keep is None else keep
@@ -140,6 +120,22 @@ class KVzipPolicy(EvictionPolicy):
     context_chunk: int = Int(512, low=1)
     sink_tokens: int = Int(4, low=0)
     budget_scope: str = Choice("model", SCOPES)
+
+    def check(self, spec) -> None:
+        """The context pass scores full-attention layers; windowed ones keep the model's own window."""
+        super().check(spec)
+        windowed = [i for i in range(spec.num_layers) if spec.window(i) is not None]
+        if windowed and self.apply_to == "all":
+            raise ValueError(
+                f"kvzip.apply_to=all: layers {windowed} of model {spec.model_type!r} are windowed, and the "
+                "context pass scores full-attention layers only: use apply_to=full_attention (the windowed "
+                "layers then keep the model's own window)"
+            )
+        if windowed and len(windowed) == spec.num_layers:
+            raise ValueError(
+                f"kvzip: every layer of model {spec.model_type!r} is windowed (a sliding window of "
+                f"{spec.window(0)} tokens): no full-attention layer is left for the context pass to compress"
+            )
 
     def kept_tokens(self, s: Shape) -> int | None:
         """``compress_context`` after the prefill keeps ``min(n, keep_count(n))``, decode tokens append; None

@@ -10,12 +10,13 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvcompress import attention
+from kvcompress import attention, forward_state
+from kvcompress.policies.context_mode import ContextPassMode
 from kvcompress.profiling import TIMER
 from kvcompress.storage.buffers import Slots, storage_bytes, writing
 
 
-class PolicyLayer(CacheLayerMixin):
+class PolicyLayer(ContextPassMode, CacheLayerMixin):
     """Stores every token (the ``full`` selector). Subclasses select in ``compress()`` (after the step's
     tokens are appended) or in ``observe_attention()`` (after attention, when ``wants_scores``)."""
 
@@ -44,7 +45,12 @@ class PolicyLayer(CacheLayerMixin):
         self.track = self.needs_positions or (self.window is not None and not self.contiguous)
         self.pos: torch.Tensor | None = None  # (B, 1 or H_kv, T) int32 absolute positions, when tracked
         self.left_pad: torch.Tensor | None = None  # (B,) leading padding of each row (chunked layers)
+        # a prefill-time selector over a store that cannot evict encoded tokens exactly encodes nothing on a
+        # multi-token step (``end_step``): every token is encoded once, after its last chance of eviction
+        self.encodes_late = policy.evicts == "prefill" and not store.keeps_exactly
+        self.step_tokens = 0  # tokens of the step being stored
         self.seen = self.evicted = 0
+        self.tokens_read, self.tokens_visible = 0, 0  # over steps: read by the last query / by the model's
         self._view: tuple[int, torch.Tensor | None] | None = None
         self.slots = Slots()  # buffers of per-token state (``pos``, ``per_token``) this layer grows in place
         for name in self.per_token + self.per_row:
@@ -59,12 +65,14 @@ class PolicyLayer(CacheLayerMixin):
         """Store this step's keys/values (B, H_kv, q, D); return what this step's attention must see."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.in_context_pass:  # a reconstruction step of the context pass: nothing is stored
+            return self.pass_update(key_states, value_states, kwargs.get("forward"))
         if self.deferred:  # the last step's attention never came: end that step now
             self.read_deferred()
         if self.probe is not None:
             self.probe.stored(self, key_states, value_states)
         b, _, q, _ = key_states.shape
-        new_valid = attention.new_token_validity(b, q, key_states.device)
+        new_valid = forward_state.validity(kwargs.get("forward"), b, q, key_states.device)
         self.on_append(key_states, new_valid)
         if self.seen == 0 and self.chunked:
             self.left_pad = _leading_padding(new_valid, b, key_states.device)
@@ -72,7 +80,7 @@ class PolicyLayer(CacheLayerMixin):
         if self.track:
             self.pos = _cat_positions(self.slots, self.pos, self.seen, b, q, key_states.device)
         self.store.append(key_states, value_states, kwargs.get("positions"))  # model's position_ids or None
-        self.seen += q
+        self.seen, self.step_tokens = self.seen + q, q
         if self._defers(q):
             self.deferred, self._view = True, (self.stored_length(), None, None)
             return _unread(key_states, self.stored_length()), _unread(value_states, self.stored_length())
@@ -112,8 +120,11 @@ class PolicyLayer(CacheLayerMixin):
         called before the layer is copied or saved."""
 
     def end_step(self) -> None:
-        """After the step's last decision: the storage compresses what waited (quantize, project)."""
-        self.store.flush(self.valid)
+        """After the step's last decision: the storage compresses what waited (quantize, project); with
+        ``encodes_late``, only after a one-token step (the prompt's parts stay exact while they may be
+        evicted: KIVI's per-channel key groups would otherwise be quantized again at every eviction)."""
+        if not (self.encodes_late and self.step_tokens > 1):
+            self.store.flush(self.valid)
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -152,6 +163,7 @@ class PolicyLayer(CacheLayerMixin):
         self.store.reset()
         self.valid = self._view = self.pos = self.left_pad = None
         self.seen = self.evicted = 0
+        self.tokens_read, self.tokens_visible = 0, 0
         self.deferred = False
         for name in self.per_token + self.per_row:
             setattr(self, name, None)
@@ -260,6 +272,8 @@ class PolicyLayer(CacheLayerMixin):
             "tokens_seen": self.seen,
             "tokens_stored": self.stored_length(),
             "tokens_evicted": self.evicted,
+            "tokens_read": float(self.tokens_read),
+            "tokens_visible": self.tokens_visible,
             "bytes": self.memory_bytes(),
             **self.store.stats(),
         }
@@ -267,7 +281,29 @@ class PolicyLayer(CacheLayerMixin):
     # -- attention ------------------------------------------------------------------------------
     def attend(self, query, key, value):
         """What this step's query (B, H, q, D) reads: keys/values (B, H_kv, T, D) and a mask."""
+        self.count_read(key.shape[-2])
         return key, value, self.attention_mask(query.shape[2])
+
+    def count_read(self, tokens) -> None:
+        """Add a step to the read counters: ``tokens`` its last query read (an int, or a device tensor: the
+        mean over rows and KV heads, read on the host only by ``stats``), at most what the model's own
+        attention would read then (``visible``), which adds to ``tokens_visible``. ``full`` reads all it
+        may: its ``tokens_read`` equals ``tokens_visible`` on every family (``metrics.compression``). The
+        forwards of a context pass are not steps of the sequence: not counted."""
+        if self.in_context_pass:
+            return
+        visible = self.visible()
+        read = tokens.clamp(max=visible) if isinstance(tokens, torch.Tensor) else min(tokens, visible)
+        self.tokens_read, self.tokens_visible = self.tokens_read + read, self.tokens_visible + visible
+
+    def visible(self) -> int:
+        """Tokens the model's own attention lets the step's last query read: everything consumed, or its
+        window (sliding: the last ``window``; chunked: those of its chunk, counted without padding)."""
+        if self.window is None:
+            return self.seen
+        if self.chunked:
+            return (self.seen - 1) % self.window + 1
+        return min(self.seen, self.window)
 
     def observe_attention(self, query, key, scaling: float, probs=None) -> None:
         """Called after attention when ``wants_scores``. ``probs`` (B, H_kv, 1, T) are the decode step's

@@ -44,6 +44,8 @@ class TieredLayer(PolicyLayer):
             if pages is not None:
                 page_ok = self._pages_allowed(pages, qpos, valid)
                 ok = torch.cat([page_ok, ok.expand(*page_ok.shape[:2], -1, -1)], dim=-1)
+        # the page slots fetched (every head reads as many without padding; with it, unused slots count too)
+        self.count_read(total if pages is None else total + pages.shape[-1] * bs)
         if pages is not None:
             page_k, page_v = self.store.fetch(pages)  # (B, H_kv, k * bs, D)
             key, value = torch.cat([page_k, key], dim=2), torch.cat([page_v, value], dim=2)

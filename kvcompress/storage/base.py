@@ -93,6 +93,13 @@ class Store:
         self.config, self.layer_idx, self.spec, self.kinds = config, layer_idx, spec, tuple(kinds)
 
     @property
+    def keeps_exactly(self) -> bool:
+        """Whether ``keep`` after ``flush`` moves encoded tokens without encoding them again. A store that
+        cannot (per-channel groups shared by several tokens) is flushed by a prefill-time selector only
+        once its evictions are over (``PolicyLayer.end_step``)."""
+        return True
+
+    @property
     def length(self) -> int:
         raise NotImplementedError
 

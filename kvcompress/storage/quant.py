@@ -65,22 +65,31 @@ class QuantStore(ResidualStore):
         g = self.config.group_size
         return (residual - self.config.residual_length) // g * g
 
+    @property
+    def keeps_exactly(self) -> bool:
+        """Per-token groups are gathered as they are; a per-channel group shares its scale among
+        ``group_size`` tokens, so it cannot lose one without every other being quantized again."""
+        return "channel" not in (self.axis(kind) for kind in self.kinds)
+
     def keep(self, idx) -> None:
         te = self.encoded_length
-        if te == 0 or "channel" not in (self.axis(kind) for kind in self.kinds):
+        if te == 0 or self.keeps_exactly:
             return super().keep(idx)
         b, h = self.residual[self.kinds[0]].shape[:2]
         idx = idx.expand(b, h, -1)
         ar = torch.arange(te, device=idx.device)
-        if idx.shape[-1] >= te and bool((idx[..., :te] == ar).all()):  # every quantized token stays
-            for kind in self.kinds:
-                self.residual[kind] = gather_tokens(self.residual[kind], idx[..., te:] - te)
-            return
-        # a per-channel group lost a token: re-quantize from the dequantized tokens (at the next flush)
-        dense = self.read()
-        for kind, x in zip(KINDS, dense, strict=True):
-            if kind in self.kinds:
-                self.encoded[kind], self.residual[kind] = None, gather_tokens(x, idx)
+        if idx.shape[-1] < te or not bool((idx[..., :te] == ar).all()):
+            axes = "/".join(f"{kind[:-1]}_axis" for kind in self.kinds if self.axis(kind) == "channel")
+            raise ValueError(
+                f"layer {self.layer_idx}: an eviction would remove tokens from quantized groups of quant "
+                f"{axes}='channel' (one scale per channel shared by group_size={self.config.group_size} "
+                "tokens); quantizing the rest again would add error at every such eviction, so it is "
+                "refused. A selector that evicts at prefill keeps the prompt exact until its first one-token "
+                "step; this eviction came later (a multi-token forward after decode steps). Use "
+                "key_axis=token and value_axis=token, or prefill every multi-token part before decoding"
+            )
+        for kind in self.kinds:  # every quantized token stays: only the residual window loses tokens
+            self.residual[kind] = gather_tokens(self.residual[kind], idx[..., te:] - te)
 
     # -- readable names (tests, stats) ------------------------------------------------------
     @property

@@ -27,6 +27,10 @@ class SplitStore(Store):
     def length(self) -> int:
         return self.key_store.length
 
+    @property
+    def keeps_exactly(self) -> bool:
+        return self.key_store.keeps_exactly and self.value_store.keeps_exactly
+
     def append(self, keys, values, positions=None) -> None:
         for store in self._both():
             store.append(keys, values, positions)

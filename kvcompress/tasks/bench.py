@@ -19,6 +19,7 @@ from kvcompress.cache import PEERS, build_cache, held_bytes, known_policies, mak
 from kvcompress.context_pass import after_prefill, forward_prompt
 from kvcompress.guard import check_fits
 from kvcompress.memory_model import predicted_for_model
+from kvcompress.metrics.compression import read_ratio
 from kvcompress.metrics.memory import peak_device_bytes, peak_rss_bytes, tier_summary
 from kvcompress.metrics.speed import _sync
 from kvcompress.metrics.stats import median_iqr
@@ -28,7 +29,7 @@ from kvcompress.tasks.perplexity import text_tokens
 
 BENCH_COLUMNS = [
     "cache", "context", "ttft_s", "decode_tok_s", "policy_overhead", "cache_bytes",
-    "ttft_vs_full", "decode_vs_full", "decode_vs_dynamic", "bytes_vs_full", "bytes_vs_dynamic",
+    "ttft_vs_full", "decode_vs_full", "decode_vs_dynamic", "bytes_vs_full", "read_ratio", "bytes_vs_dynamic",
     "predicted_bytes", "bytes_vs_predicted", "peak_rss_mb", "peak_device_mb",
 ]  # fmt: skip
 SCALING_COLUMNS = ["cache", "decode_ms_per_token_at_1k", "decode_ms_per_1k_context", "fit_points"]
@@ -86,13 +87,14 @@ def _measure(model, ids, cache, decode_tokens: int, after=None) -> dict:
     return {
         "ttft_s": ttft, "decode_s": decode, "policy_s": timer.seconds, "bytes": held_bytes(cache),
         "peak_rss": peak_rss_bytes(), "peak_device": peak_device_bytes(model.device) or 0, **tiers,
+        "read_ratio": read_ratio(cache),  # the same in every repeat; None for transformers' caches
     }  # fmt: skip
 
 
 def _summarise(samples: dict, decode_tokens: int) -> list[dict]:
     rows = []
     for (name, length), runs in samples.items():
-        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "read_ratio"}
         ttft, dec = median_iqr([r["ttft_s"] for r in runs]), median_iqr([r["decode_s"] for r in runs])
         rows.append(
             {
@@ -106,6 +108,7 @@ def _summarise(samples: dict, decode_tokens: int) -> list[dict]:
                 "decode_tok_s_q3": decode_tokens / dec["q1"],
                 "policy_overhead": med["policy_s"] / med["decode_s"],
                 "cache_bytes": int(med["bytes"]),
+                "read_ratio": runs[0]["read_ratio"],
                 "peak_rss_mb": max(r["peak_rss"] for r in runs) / 2**20,  # the process's, up to this point
                 "peak_device_mb": max(r["peak_device"] for r in runs) / 2**20 or None,
                 **{k: med[k] for k in TIER_COLUMNS if k in med},  # tiered: per tier, fetches, hit rate

@@ -24,12 +24,7 @@ from kvcompress.calibration_text import cache_spans, check_disjoint, text_span
 from kvcompress.context_pass import after_prefill
 from kvcompress.data import load_text
 from kvcompress.guard import check_fits
-from kvcompress.metrics.compression import (
-    compression_check,
-    full_cache_bytes,
-    is_compressed,
-    tokens_evicted,
-)
+from kvcompress.metrics.compression import compression_check, full_cache_bytes, read_ratio, tokens_evicted
 from kvcompress.metrics.fidelity import Lockstep, logit_divergence
 from kvcompress.metrics.perplexity import NonFiniteError, _check_prefix
 from kvcompress.tasks.fidelity_report import summarize, write_outputs
@@ -130,13 +125,11 @@ def run(model, tokenizer, policy, cfg, out_dir=None) -> dict:
 
 
 def _acted(policy, cache, metrics: dict) -> dict:
-    """Did the policy change anything: evicted, held fewer bytes, or (Quest) read fewer tokens than full
-    (``reads_fewer``: recall below 1 with every token stored); a warning only when none of these."""
-    evicted, held = tokens_evicted(cache), (metrics["cache_bytes"], metrics["full_cache_bytes"])
-    if metrics.get("recall_mean", 1.0) < 1.0 and not is_compressed(evicted, *held):
-        return {"tokens_evicted": evicted, "compressed": False, "reads_fewer": True}
+    """Did the policy change anything: evicted, held fewer bytes, or (Quest) read fewer tokens than full; a
+    warning only when none of these (``metrics.compression``)."""
+    held = (metrics["cache_bytes"], metrics["full_cache_bytes"])
     hint = "Set a budget below task.max_tokens, or task.prefix_tokens for prefill-time policies."
-    return compression_check(policy.name, evicted, *held, hint)
+    return compression_check(policy.name, tokens_evicted(cache), *held, hint, read_ratio(cache))
 
 
 def _params(policy) -> str:

@@ -59,15 +59,18 @@ def save_heatmap(table: dict, path: Path, title: str) -> bool:
 
 
 def compression_summary(policy_name: str, cases: list[dict]) -> dict:
-    """``tokens_evicted`` over all cases, ``compressed`` when every case compressed, and a ``warning``
-    naming the cases that did not (their whole prompt went through one prefill: the budget covers it)."""
+    """``tokens_evicted`` over all cases, the mean ``cache_ratio`` and ``read_ratio``, ``compressed`` when
+    every case compressed, and a ``warning`` naming the cases that did not (their whole prompt went through
+    one prefill: the budget covers it)."""
     missed = [c for c in cases if not c["compressed"]]
     summary = {"tokens_evicted": sum(c["tokens_evicted"] for c in cases), "compressed": not missed}
+    for name in ("cache_ratio", "read_ratio"):  # means over the cases that have them
+        values = [c[name] for c in cases if c.get(name) is not None]
+        summary[name] = sum(values) / len(values) if values else None
     if missed:
         lengths = sorted({c["length"] for c in missed})
-        what = (
-            f"{len(missed)} of {len(cases)} cases (lengths {lengths}: 0 tokens evicted, bytes not below full)"
-        )
+        evidence = "0 tokens evicted, every token read, bytes not below full"
+        what = f"{len(missed)} of {len(cases)} cases (lengths {lengths}: {evidence})"
         hint = (
             "Their prompts were prefilled whole, so the policy's budget covers them: lower it below a prompt."
         )

@@ -13,7 +13,8 @@ import torch
 from kvcompress.tasks.batched import batch_size, batches, cache_shares, padded_stream
 from kvcompress.tasks.retrieval import eos_ids
 
-CACHE_FIELDS = ("tokens_evicted", "compressed")  # a context's fields of ``retrieval.cache_fields``
+# a context's fields of ``retrieval.cache_fields``
+CACHE_FIELDS = ("tokens_evicted", "cache_ratio", "read_ratio", "compressed")
 
 
 def run_contexts(model, tokenizer, policy, cfg, grid: list[tuple[int, int]], progress) -> list[dict]:

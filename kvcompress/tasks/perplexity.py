@@ -15,7 +15,7 @@ from kvcompress.context_pass import after_prefill
 from kvcompress.data import load_text
 from kvcompress.guard import check_fits
 from kvcompress.metrics import decode_perplexity, measure_speed, peak_rss_bytes
-from kvcompress.metrics.compression import compression_check, full_cache_bytes, tokens_evicted
+from kvcompress.metrics.compression import compression_check, full_cache_bytes, read_ratio, tokens_evicted
 from kvcompress.metrics.memory import (
     fixed_bytes,
     peak_device_bytes,
@@ -85,7 +85,7 @@ def _score(model, tokenizer, ids, policy, cfg, chars) -> dict:
     metrics["per_token_cache_ratio"] = per_token / metrics["full_cache_bytes"]  # bases left out
     check = compression_check(
         policy.name, tokens_evicted(cache), per_token, metrics["full_cache_bytes"],
-        _never_compressed_hint(cfg),
+        _never_compressed_hint(cfg), read_ratio(cache),
     )  # fmt: skip
     return metrics | check
 

@@ -16,7 +16,7 @@ import torch
 
 from kvcompress.cache import build_cache
 from kvcompress.context_pass import prefill
-from kvcompress.metrics.compression import full_cache_bytes, is_compressed, tokens_evicted
+from kvcompress.metrics.compression import full_cache_bytes, is_compressed, read_ratio, tokens_evicted
 from kvcompress.metrics.memory import tier_summary
 
 
@@ -121,16 +121,20 @@ TIER_BYTES = ("device_bytes", "host_bytes", "disk_bytes", "bytes_fetched_per_ste
 
 def cache_fields(model, policy, cache, rows: int = 1) -> dict:
     """A case's cache numbers: slots stored per layer, bytes (per row of a batch of ``rows``: the batch
-    cache's bytes shared out), tokens evicted (slots: each row lost as many, padding slots included),
-    ``compressed`` against ``full`` on the same rows, and a tiered cache's bytes per tier and traffic."""
-    stats, evicted = cache.stats(), tokens_evicted(cache)
+    cache's bytes shared out), its ratio to ``full``'s on the same rows, the read ratio, tokens evicted
+    (slots: each row lost as many, padding slots included), ``compressed`` (``metrics.compression``), and
+    a tiered cache's bytes per tier and traffic."""
+    stats, evicted, read = cache.stats(), tokens_evicted(cache), read_ratio(cache)
     tiers = tier_summary(stats)  # tiered: bytes per tier, fetches per step, LRU hit rate
     tiers |= {k: tiers[k] / rows for k in TIER_BYTES if k in tiers}
+    full = full_cache_bytes(model, cache.get_seq_length(), rows)  # one full prefill per length, remembered
     return {
         "tokens_stored_mean": sum(s["tokens_stored"] for s in stats) / len(stats),
         "cache_bytes": cache.memory_bytes() / rows if rows > 1 else cache.memory_bytes(),
+        "cache_ratio": cache.memory_bytes() / full,
+        "read_ratio": read,
         "tokens_evicted": evicted,
-        "compressed": case_compressed(model, policy, cache, evicted, rows),
+        "compressed": is_compressed(evicted, cache.memory_bytes(), full, read),
         **tiers,
     }
 
@@ -156,12 +160,3 @@ def case_record(tokenizer, case: Case, cfg, head, tail, ids: list[int]) -> dict:
         "response": response,
         "correct": is_correct(response, case.answer),
     }
-
-
-def case_compressed(model, policy, cache, evicted: int, rows: int = 1) -> bool:
-    """Evicted, or fewer bytes than ``full`` on the tokens consumed by ``rows`` rows (one extra prefill,
-    only when nothing was evicted)."""
-    if evicted > 0 or policy.name == "full":
-        return evicted > 0
-    full = full_cache_bytes(model, cache.get_seq_length(), rows)
-    return is_compressed(evicted, cache.memory_bytes(), full)

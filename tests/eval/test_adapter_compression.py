@@ -54,13 +54,22 @@ def test_full_is_never_flagged_and_quant_counts_by_bytes(tiny_checkpoint):
     full = _lm(tiny_checkpoint, policy="full")
     full._model_call(IDS)
     result, warned = _compression(full)
-    assert result == {"tokens_evicted": 0, "compressed": False} and warned == []
+    assert result == {"tokens_evicted": 0, "read_ratio": 1.0, "compressed": False} and warned == []
     quant = _lm(tiny_checkpoint, policy="quant", bits=4, group_size=4, residual_length=8, chunk_size=1)
     quant._model_call(IDS)
     result, warned = _compression(quant)
-    assert result == {"tokens_evicted": 0, "compressed": True} and warned == []
+    assert result == {"tokens_evicted": 0, "read_ratio": 1.0, "compressed": True} and warned == []
+
+
+def test_quest_log_likelihoods_are_compressed_by_what_they_read(tiny_checkpoint):
+    """block_sparse keeps every token but reads fewer pages: compressed, not flagged as full's numbers."""
+    lm = _lm(tiny_checkpoint, policy="block_sparse", block_size=4, top_k_blocks=2, chunk_size=1)
+    lm._model_call(IDS)
+    result, warned = _compression(lm)
+    assert result["tokens_evicted"] == 0 and result["read_ratio"] < 0.7 and result["compressed"] is True
+    assert warned == []
 
 
 def test_no_request_yet_is_not_compressed_and_not_flagged(tiny_checkpoint):
     result, warned = _compression(_lm(tiny_checkpoint, **SNAP))
-    assert result == {"tokens_evicted": 0, "compressed": False} and warned == []
+    assert result == {"tokens_evicted": 0, "read_ratio": None, "compressed": False} and warned == []

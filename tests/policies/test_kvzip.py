@@ -39,7 +39,6 @@ def chunk_queries(logits: dict) -> torch.Tensor:
 
 def reconstruct(layer, start: int, q: torch.Tensor) -> None:
     """One reconstruction chunk: its keys (tokens start, start + 1) and queries, as the model would."""
-    attention._STATE.padding = None
     keys, _ = layer.update(onehot(start, start + 2), onehot(start, start + 2))
     layer.observe_attention(q, keys, 1.0)
     layer.end_step()
@@ -47,7 +46,6 @@ def reconstruct(layer, start: int, q: torch.Tensor) -> None:
 
 def test_keeps_the_pairs_with_the_highest_max_attention_per_kv_group_plus_sinks():
     layer = KVzipPolicy(budget=4, compression_ratio=None, sink_tokens=1).layer(0, SPEC)
-    attention._STATE.padding = None
     layer.update(onehot(0, 12), onehot(0, 12))  # the context's prefill: 12 tokens
     layer.end_step()
     layer.begin_context_pass()
@@ -65,7 +63,6 @@ def test_keeps_the_pairs_with_the_highest_max_attention_per_kv_group_plus_sinks(
 
 def test_max_over_a_group_not_the_mean():
     layer = KVzipPolicy(budget=2, compression_ratio=None, sink_tokens=0).layer(0, SPEC)
-    attention._STATE.padding = None
     layer.update(onehot(0, 12), onehot(0, 12))
     layer.end_step()
     layer.begin_context_pass()
@@ -140,17 +137,28 @@ def test_without_the_context_pass_nothing_is_evicted(model):
 def test_refusals_name_the_problem(model):
     with pytest.raises(RuntimeError, match="needs a prefilled cache"):
         compress_context(model, build_cache("kvzip", model), _ids(8))
+    assert compress_context(model, build_cache("snapkv", model), _ids(8)) == {"context_pass": False}
+
+
+@pytest.mark.parametrize("other", ["FullPolicy", "H2OPolicy"])
+def test_layers_of_other_selectors_in_a_schedule_store_none_of_the_pass(model, other):
+    """A schedule mixing kvzip with another selector: the other layer sees the reconstruction as the model
+    would, stores none of it and does not act on it (no scores, no eviction); the kvzip layers evict."""
     target = "kvcompress.policies."
+    budget = {"budget": 64, "compression_ratio": None} if other != "FullPolicy" else {}
     mixed = make_policy(
-        {"_target_": target + "SchedulePolicy", "default": {"_target_": target + "KVzipPolicy"},
-         "rules": [{"layers": 0, "policy": {"_target_": target + "FullPolicy"}}]}
+        {"_target_": target + "SchedulePolicy",
+         "default": {"_target_": target + "KVzipPolicy", "budget": 4, "compression_ratio": None},
+         "rules": [{"layers": 0, "policy": {"_target_": target + other, **budget}}]}
     )  # fmt: skip
     cache = build_cache(mixed, model)
     with torch.inference_mode():
         model(_ids(8), cache=cache)
-    with pytest.raises(ValueError, match=r"layers \[0\] do not take part"):
-        compress_context(model, cache, _ids(8))
-    assert compress_context(model, build_cache("snapkv", model), _ids(8)) == {"context_pass": False}
+    before = {k: v for k, v in cache.layers[0].stats().items() if k != "bytes"}
+    assert compress_context(model, cache, _ids(8))["context_pass"] is True
+    assert {k: v for k, v in cache.layers[0].stats().items() if k != "bytes"} == before
+    assert cache.layers[0].stored_length() == 8 and not cache.layers[0].in_context_pass
+    assert all(layer.stored_length() == 4 for layer in cache.layers[1:])
 
 
 def test_reconstruction_chunks_quote_the_previous_tokens_and_right_pad_shorter_rows():

@@ -145,3 +145,62 @@ def test_mixed_precision_cache_stores_each_layer_at_its_precision(llama, tokens)
     assert [s.get("bits") for s in stats] == [None, 8, 2]
     assert stats[0]["bytes"] > stats[1]["bytes"] > stats[2]["bytes"]
     assert cache.memory_bytes() == sum(s["bytes"] for s in stats)
+
+
+QUANT_CHANNEL = {"name": "quant", "bits": 4, "group_size": 4, "residual_length": 4, "key_axis": "channel"}
+
+
+def _count_encoded(cache) -> list[int]:
+    """Per layer, the tokens its quant store encodes, summed over every ``encode`` call."""
+    counts = [0] * len(cache.layers)
+    for i, layer in enumerate(cache.layers):
+        store, encode = layer.store, layer.store.encode
+
+        def counted(kind, x, *args, _i=i, _encode=encode, **kwargs):
+            counts[_i] += x.shape[2] if kind == "keys" else 0
+            return _encode(kind, x, *args, **kwargs)
+
+        store.encode = counted
+    return counts
+
+
+@pytest.mark.parametrize(
+    "selector,params",
+    [
+        ("snapkv", {"budget": 16, "observation_window": 4, "slack": None}),
+        ("expected_attention", {"budget": 16, "compression_ratio": None}),
+        ("kvzip", {"budget": 16, "compression_ratio": None, "context_chunk": 8}),
+    ],
+)
+def test_prefill_eviction_over_channel_groups_quantizes_each_token_once(llama, tokens, selector, params):
+    """A chunked prompt evicted at every chunk, then decode: no token is quantized twice (the prompt stays
+    exact while it may be evicted; it used to be dequantized and quantized again at every chunk)."""
+    from kvcompress.context_pass import compress_context
+
+    cache = build_cache(selector, llama, storage=QUANT_CHANNEL, **params)
+    encoded = _count_encoded(cache)
+    prompt = tokens[:, :36]
+    stream_logits(llama, prompt, cache, 12)  # three multi-token steps
+    if selector == "kvzip":
+        compress_context(llama, cache, prompt)
+    stream_logits(llama, tokens[:, 36:], cache, 1)  # decode steps: the kept prompt is quantized now
+    for count, layer in zip(encoded, cache.layers, strict=True):
+        assert layer.store.encoded_length > 0 and layer.evicted > 0
+        assert count == layer.store.encoded_length  # every quantized token encoded exactly once
+
+
+def test_an_eviction_into_quantized_channel_groups_is_refused_by_name(llama, tokens):
+    """After decode steps quantized the prompt, a second multi-token forward that evicts would have to
+    quantize per-channel groups again: refused, naming the axis; per-token groups evict exactly."""
+    policy = {"budget": 12, "observation_window": 2, "slack": None}
+    for axis in ("channel", "token"):
+        cache = build_cache("snapkv", llama, storage={**QUANT_CHANNEL, "key_axis": axis}, **policy)
+        stream_logits(llama, tokens[:, :24], cache, 24)
+        stream_logits(llama, tokens[:, 24:32], cache, 1)
+        assert cache.layers[0].store.encoded_length > 0
+        if axis == "channel":
+            with pytest.raises(ValueError, match=r"key_axis='channel'.*refused.*key_axis=token"):
+                stream_logits(llama, tokens[:, 32:], cache, 16)
+        else:
+            stream_logits(llama, tokens[:, 32:], cache, 16)
+            assert cache.layers[0].stored_length() <= 12 + 16
