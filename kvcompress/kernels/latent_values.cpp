@@ -3,8 +3,7 @@
 // Palu, arXiv 2407.21118). A matrix product of a few rows by T tokens is what a BLAS does worst (about four
 // times the time of reading the latents on a CPU): here each token's latent is read once, from L1, by every
 // row of its block, into accumulators that stay in registers over a span of tokens.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include <algorithm>
 
@@ -126,7 +125,7 @@ void block_portable(const Mix& x, int64_t m, int64_t t) {
 // probs (B, G, m, T) float32 with contiguous tokens; coef (B, G, T, R) float32 with contiguous components
 // (views into growable buffers are read in place). Returns sum_t probs[..., t] coef[..., t, :], (B, G, m, R):
 // register tiles where the build has AVX-512 and R is a multiple of 16, block_portable() elsewhere.
-torch::Tensor latent_mix(torch::Tensor probs, torch::Tensor coef) {
+at::Tensor latent_mix(at::Tensor probs, at::Tensor coef) {
   TORCH_CHECK(probs.scalar_type() == at::kFloat && probs.dim() == 4 && probs.stride(3) == 1 &&
                   probs.device().is_cpu(),
               "probs: expected float32 (B, G, m, T) on the CPU with contiguous tokens");
@@ -135,7 +134,7 @@ torch::Tensor latent_mix(torch::Tensor probs, torch::Tensor coef) {
   const int64_t b = probs.size(0), g = probs.size(1), m = probs.size(2), t = probs.size(3), r = coef.size(3);
   TORCH_CHECK(coef.size(0) == b && coef.size(1) == g && coef.size(2) == t,
               "coef: expected (B, G, T, R) for the probabilities' B, G and T");
-  auto out = torch::zeros({b, g, m, r}, probs.options());
+  auto out = at::zeros({b, g, m, r}, probs.options());
   const float* pp = probs.data_ptr<float>();
   const float* cp = coef.data_ptr<float>();
   float* op = out.data_ptr<float>();

@@ -2,8 +2,7 @@
 // the choice of those pages. Quest (Tang et al., arXiv 2406.10774) reads only the pages whose key bounds can
 // score high; the tensor form of the choice is in kvcompress/policies/block_sparse_layer.py, the softmax
 // between the two attention calls in torch.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include <algorithm>
 #include <limits>
@@ -42,7 +41,7 @@ struct Cache {
   const float* data;
   int64_t sb, sh, st, d;
 
-  Cache(const torch::Tensor& x, const char* name) {
+  Cache(const at::Tensor& x, const char* name) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 4 && x.device().is_cpu() && x.stride(3) == 1,
                 name, ": expected a 4-dim float32 CPU tensor with contiguous channels");
     data = x.data_ptr<float>();
@@ -51,7 +50,7 @@ struct Cache {
   const float* head(int64_t b, int64_t h) const { return data + b * sb + h * sh; }
 };
 
-void check_pages(const torch::Tensor& pages, int64_t b, int64_t h) {
+void check_pages(const at::Tensor& pages, int64_t b, int64_t h) {
   TORCH_CHECK(pages.scalar_type() == at::kLong && pages.dim() == 3 && pages.is_contiguous() &&
                   pages.size(0) == b && pages.size(1) == h && pages.size(2) >= 1,
               "pages: expected contiguous int64 (B, H_kv, k >= 1)");
@@ -61,7 +60,7 @@ void check_pages(const torch::Tensor& pages, int64_t b, int64_t h) {
 
 // q (B, H_kv, g, D) float32 contiguous (scaled); keys (B, H_kv, T, D); pages (B, H_kv, k) ascending, the
 // newest page last. Returns the logits (B, H_kv, g, n) over the tokens read (``Spans::tokens``).
-torch::Tensor page_logits(torch::Tensor q, torch::Tensor keys, torch::Tensor pages, int64_t block,
+at::Tensor page_logits(at::Tensor q, at::Tensor keys, at::Tensor pages, int64_t block,
                           int64_t total) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 4 && q.is_contiguous(), "q: contiguous float32");
   const Cache kc(keys, "keys");
@@ -69,7 +68,7 @@ torch::Tensor page_logits(torch::Tensor q, torch::Tensor keys, torch::Tensor pag
   check_pages(pages, b, hk);
   TORCH_CHECK(kc.d == d && keys.size(1) == hk && total <= keys.size(2), "keys: shapes do not fit");
   const int64_t n = Spans(pages.data_ptr<int64_t>(), k, block, total).tokens();
-  auto out = torch::empty({b, hk, g, n}, q.options());
+  auto out = at::empty({b, hk, g, n}, q.options());
   const float* qp = q.data_ptr<float>();
   const int64_t* pp = pages.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
@@ -88,7 +87,7 @@ torch::Tensor page_logits(torch::Tensor q, torch::Tensor keys, torch::Tensor pag
 
 // p (B, H_kv, g, n) float32 probabilities over the tokens ``page_logits`` read; values (B, H_kv, T, D).
 // Returns sum_t p_t v_t (B, H_kv, g, D) float32.
-torch::Tensor page_values(torch::Tensor p, torch::Tensor values, torch::Tensor pages, int64_t block,
+at::Tensor page_values(at::Tensor p, at::Tensor values, at::Tensor pages, int64_t block,
                           int64_t total) {
   TORCH_CHECK(p.scalar_type() == at::kFloat && p.dim() == 4 && p.is_contiguous(), "p: contiguous float32");
   const Cache vc(values, "values");
@@ -97,7 +96,7 @@ torch::Tensor page_values(torch::Tensor p, torch::Tensor values, torch::Tensor p
   const int64_t* gp = pages.data_ptr<int64_t>();
   TORCH_CHECK(n == Spans(gp, k, block, total).tokens() && values.size(1) == hk && total <= values.size(2),
               "values: shapes do not fit");
-  auto out = torch::zeros({b, hk, g, d}, p.options());
+  auto out = at::zeros({b, hk, g, d}, p.options());
   const float* pp = p.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, b * hk, 1, [&](int64_t lo, int64_t hi) {
@@ -148,7 +147,7 @@ void bounds(const float* q, int64_t g, int64_t d, const float* lo, const float* 
 // every page holding a token (no padding). Returns the ``width`` pages (B, H_kv, width) int64 ascending
 // with the highest bound, the first ``sinks`` pages and the newest one always among them: one call for
 // what the tensor form does in a dozen small operations per layer and step.
-torch::Tensor select_pages(torch::Tensor q, torch::Tensor page_min, torch::Tensor page_max, int64_t sinks,
+at::Tensor select_pages(at::Tensor q, at::Tensor page_min, at::Tensor page_max, int64_t sinks,
                            int64_t width) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 4 && q.is_contiguous(), "q: contiguous float32");
   TORCH_CHECK(page_min.sizes() == page_max.sizes() && page_min.is_contiguous() && page_max.is_contiguous() &&
@@ -157,7 +156,7 @@ torch::Tensor select_pages(torch::Tensor q, torch::Tensor page_min, torch::Tenso
   const int64_t b = q.size(0), hk = q.size(1), g = q.size(2), d = q.size(3), p = page_min.size(2);
   TORCH_CHECK(page_min.size(0) == b && page_min.size(1) == hk && page_min.size(3) == d, "pages: shapes");
   TORCH_CHECK(width >= 1 && width <= p, "width: between 1 and the pages");
-  auto out = torch::empty({b, hk, width}, q.options().dtype(at::kLong));
+  auto out = at::empty({b, hk, width}, q.options().dtype(at::kLong));
   const float *qp = q.data_ptr<float>(), *lo = page_min.data_ptr<float>(), *hi = page_max.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, b * hk, 1, [&](int64_t a, int64_t z) {

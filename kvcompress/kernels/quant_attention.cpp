@@ -1,7 +1,6 @@
 // Decode attention sums straight from packed KIVI codes, one pass over the bytes per KV head.
 // The algebra is in kvcompress/fused_quant.py (Liu et al., KIVI, arXiv 2402.02750).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include <vector>
 
@@ -49,7 +48,7 @@ inline void unpack_wide(const uint8_t* bytes, int64_t w, int bits, float* c) {
 
 #endif
 
-void check(const torch::Tensor& t, at::ScalarType dtype, const char* name) {
+void check(const at::Tensor& t, at::ScalarType dtype, const char* name) {
   TORCH_CHECK(t.scalar_type() == dtype && t.dim() == 4 && t.is_contiguous() && t.device().is_cpu(),
               name, ": expected a contiguous 4-dim CPU tensor of ", dtype);
 }
@@ -61,8 +60,8 @@ struct Quantized {
   const float* scale;
   const float* zero;
 
-  Quantized(const torch::Tensor& x_, const torch::Tensor& codes_, const torch::Tensor& scale_,
-            const torch::Tensor& zero_) {
+  Quantized(const at::Tensor& x_, const at::Tensor& codes_, const at::Tensor& scale_,
+            const at::Tensor& zero_) {
     check(x_, at::kFloat, "x");
     check(codes_, at::kByte, "codes");
     check(scale_, at::kFloat, "scale");
@@ -156,7 +155,7 @@ inline void values_wide(const uint8_t* codes, const float* scale, const float* z
 
 // q (B, Hk, g, D) float32 (scaled); codes (B, Hk, Te, W) uint8; scale, zero (B, Hk, Te/G, D) float32
 // (keys quantized per channel, G tokens a group). Returns the logits (B, Hk, g, Te) float32.
-torch::Tensor key_logits(torch::Tensor q, torch::Tensor codes, torch::Tensor scale, torch::Tensor zero,
+at::Tensor key_logits(at::Tensor q, at::Tensor codes, at::Tensor scale, at::Tensor zero,
                          int64_t bits, int64_t group) {
   const Quantized in(q, codes, scale, zero);
   const float *qp = in.x, *sp = in.scale, *zp = in.zero;
@@ -164,7 +163,7 @@ torch::Tensor key_logits(torch::Tensor q, torch::Tensor codes, torch::Tensor sca
   const int64_t bh = q.size(0) * q.size(1), g = q.size(2), d = q.size(3);
   const int64_t te = codes.size(2), w = codes.size(3), n = te / group;
   TORCH_CHECK(w * (8 / bits) == d && n * group == te && scale.size(2) == n, "key codes: shapes do not fit");
-  auto out = torch::empty({q.size(0), q.size(1), g, te}, q.options());
+  auto out = at::empty({q.size(0), q.size(1), g, te}, q.options());
   float* op = out.data_ptr<float>();
 #if defined(__AVX512F__)
   const bool fast = wide(d, w, group);
@@ -204,7 +203,7 @@ torch::Tensor key_logits(torch::Tensor q, torch::Tensor codes, torch::Tensor sca
 
 // p (B, Hk, g, Te) float32 probabilities; codes (B, Hk, Te, W) uint8; scale, zero (B, Hk, Te, D/G)
 // float32 (values quantized per token, G channels a group). Returns sum_t p_t v_t (B, Hk, g, D) float32.
-torch::Tensor value_output(torch::Tensor p, torch::Tensor codes, torch::Tensor scale, torch::Tensor zero,
+at::Tensor value_output(at::Tensor p, at::Tensor codes, at::Tensor scale, at::Tensor zero,
                            int64_t bits, int64_t group) {
   const Quantized in(p, codes, scale, zero);
   const float *pp = in.x, *sp = in.scale, *zp = in.zero;
@@ -213,7 +212,7 @@ torch::Tensor value_output(torch::Tensor p, torch::Tensor codes, torch::Tensor s
   const int64_t w = codes.size(3), d = w * (8 / bits), ng = d / group;
   TORCH_CHECK(codes.size(2) == te && ng * group == d && scale.size(3) == ng,
               "value codes: shapes do not fit");
-  auto out = torch::empty({p.size(0), p.size(1), g, d}, p.options());
+  auto out = at::empty({p.size(0), p.size(1), g, d}, p.options());
   float* op = out.data_ptr<float>();
 #if defined(__AVX512F__)
   const bool fast = wide(d, w, group) && te % LANES == 0;

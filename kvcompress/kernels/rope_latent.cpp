@@ -3,8 +3,7 @@
 // the keys, of their rotation or of the cos/sin of every position is written. Palu (arXiv 2407.21118) and
 // ShadowKV (arXiv 2410.21465) fuse the same rebuild-and-rotate on a GPU; the algebra, the half-split pairing
 // (RoFormer, arXiv 2104.09864) and the checks that the model uses it are in kvcompress/fused_low_rank.py.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include <algorithm>
 #include <optional>
@@ -26,8 +25,8 @@ struct Inputs {
   int64_t cb, cg, ct;  // coefficient strides (batch, block, token); components are contiguous
   int64_t pb, pg;  // position strides (batch, block); tokens are contiguous
 
-  Inputs(const torch::Tensor& q_, const torch::Tensor& coef_, const torch::Tensor& dect_,
-         const torch::Tensor& pos_, const torch::Tensor& cos_, const torch::Tensor& sin_) {
+  Inputs(const at::Tensor& q_, const at::Tensor& coef_, const at::Tensor& dect_,
+         const at::Tensor& pos_, const at::Tensor& cos_, const at::Tensor& sin_) {
     TORCH_CHECK(q_.scalar_type() == at::kFloat && q_.dim() == 4 && q_.is_contiguous() && q_.device().is_cpu(),
                 "q: expected a contiguous float32 CPU tensor (B, H_kv, n, D)");
     for (const auto* t : {&coef_, &dect_, &pos_, &cos_, &sin_})
@@ -205,8 +204,8 @@ void block_span(const Inputs& in, int64_t x, int64_t blk, int64_t t0, int64_t t1
 // dect (G, R, g * D): each block's decoder, transposed; positions (B, G, T) int32; cos, sin (P, half) the
 // rotary tables by position. Returns the logits (B, G, g * n, T), or None when a position has no table row
 // (past P: the caller extends the tables and calls again; negative: it rotates with the model's module).
-std::optional<torch::Tensor> rope_logits(torch::Tensor q, torch::Tensor coef, torch::Tensor dect,
-                                               torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
+std::optional<at::Tensor> rope_logits(at::Tensor q, at::Tensor coef, at::Tensor dect,
+                                               at::Tensor positions, at::Tensor cos, at::Tensor sin) {
   const Inputs in(q, coef, dect, positions, cos, sin);
   for (int64_t x = 0; x < in.b; ++x)
     for (int64_t blk = 0; blk < in.blocks; ++blk) {
@@ -214,7 +213,7 @@ std::optional<torch::Tensor> rope_logits(torch::Tensor q, torch::Tensor coef, to
       for (int64_t k = 0; k < in.t; ++k)
         if (p[k] < 0 || p[k] >= in.rows) return std::nullopt;
     }
-  auto out = torch::empty({in.b, in.blocks, in.g * in.n, in.t}, q.options());
+  auto out = at::empty({in.b, in.blocks, in.g * in.n, in.t}, q.options());
   float* op = out.data_ptr<float>();
   const int64_t chunks = (in.t + CHUNK - 1) / CHUNK;
   at::parallel_for(0, in.b * in.blocks * chunks, 1, [&](int64_t lo, int64_t hi) {
@@ -232,7 +231,7 @@ std::optional<torch::Tensor> rope_logits(torch::Tensor q, torch::Tensor coef, to
 // x (B, H, n, D) float32 contiguous; positions (B, h, n) int32 contiguous, h dividing H (row r of a block of
 // H / h heads); cos, sin (P, half) rows by position (the inverse rows to un-rotate). Returns the turned keys
 // (B, H, n, D), or None when a position has no row (the caller uses the model's module instead).
-std::optional<torch::Tensor> turn_keys(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
+std::optional<at::Tensor> turn_keys(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 4 && x.is_contiguous() && x.device().is_cpu(),
               "x: expected a contiguous float32 CPU tensor (B, H, n, D)");
   TORCH_CHECK(positions.scalar_type() == at::kInt && positions.dim() == 3 && positions.is_contiguous() &&
@@ -248,7 +247,7 @@ std::optional<torch::Tensor> turn_keys(torch::Tensor x, torch::Tensor positions,
   const int32_t* pos = positions.data_ptr<int32_t>();
   for (int64_t i = 0; i < positions.numel(); ++i)
     if (pos[i] < 0 || pos[i] >= rows) return std::nullopt;
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const float *xp = x.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
   for (int64_t bi = 0; bi < b; ++bi)
