@@ -111,10 +111,11 @@ class Slots:
             out = self._alloc(name, x, n + q, dim).narrow(dim, 0, n + q)
             out.narrow(dim, 0, n).copy_(x)
         tail = out.narrow(dim, n, q)
-        if isinstance(new, torch.Tensor):
-            tail.copy_(new)
-        else:
-            tail.fill_(new)
+        with writing(out):  # a buffer made under inference mode (a context pass) may grow outside it
+            if isinstance(new, torch.Tensor):
+                tail.copy_(new)
+            else:
+                tail.fill_(new)
         return out
 
     def take(self, name: str, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

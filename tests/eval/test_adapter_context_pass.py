@@ -70,3 +70,12 @@ def test_the_hint_of_a_context_pass_policy_says_what_can_help(tiny_checkpoint):
     with pytest.warns(UserWarning, match="compresses each request's context"):
         warning = lm.compression()["warning"]
     assert "raise chunk_size" not in warning
+
+
+def test_the_continuation_grows_buffers_the_context_pass_made(tiny_checkpoint):
+    """The context pass runs under inference mode and its eviction leaves buffers with spare slots (kept
+    tokens >= 128); the continuation, streamed under lm-eval's no_grad, grows them in place."""
+    lm = _lm(tiny_checkpoint, budget=160, **KVZIP)
+    context = [3 + i % 250 for i in range(300)]
+    assert math.isfinite(_score(lm, context, list(range(50, 90))))
+    assert lm.compression()["tokens_evicted"] > 0
