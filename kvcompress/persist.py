@@ -4,26 +4,43 @@ A snapshot is a deep copy of the layers that shares only what never changes (the
 spec, storage configs and per-layer constants such as a low-rank basis), so restoring it gives back the
 identical compressed state: no byte of a later question or answer survives.
 
-A file is safetensors: every tensor of every layer and store, plus a JSON header (``HEADER_KEY``) with the
-format version, the policy (``describe()`` and a ``_target_`` config that rebuilds it), the model's
-fingerprint (``calibration.model_fingerprint``), ``get_seq_length`` and each layer's state tree: the
-layer's and its store's own attributes, with tensors named. Loading rebuilds the cache with
-``build_cache`` and puts the saved state back, refusing another model, another format version, or state
-whose classes or attributes differ from what the code builds now (a code change that altered the format).
+A file is safetensors: every tensor of every layer and store (with a digest of its bytes), plus a JSON
+header (``HEADER_KEY``) with the policy (``describe()`` and a ``_target_`` config that rebuilds it), the
+model's fingerprint (``calibration.model_fingerprint``), ``get_seq_length`` and each layer's state tree:
+the layer's and its store's own attributes, with tensors named, the calibration range its storage read, and
+the digests of the code that wrote it. Loading rebuilds the cache with ``build_cache`` (without a
+calibration pass: a storage with calibrated bases takes them from the file), puts each layer's tensors on
+that layer's device (a model sharded with ``device_map``) and the saved state back, refusing another
+model, or a file that is truncated, corrupt, names a class outside kvcompress and its plugins, or was
+written by other code (``kvcompress.persist_file``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 
 import torch
 
+from kvcompress.persist_file import (
+    AGAIN,
+    CORE,
+    FORMAT,
+    HEADER_KEY,
+    check_built,
+    check_layer_code,
+    check_model,
+    layer_code,
+    read_header,
+    read_tensors,
+    tensor_digest,
+)
+from kvcompress.placement import layer_devices
+from kvcompress.sources import digests
 from kvcompress.state import LAZY, decode, encode, state_attributes
 
-FORMAT = "kvcompress-cache"
-VERSION = 1
-HEADER_KEY = "kvcompress"
+__all__ = ["FORMAT", "HEADER_KEY", "cache_state", "fork", "load_cache", "read_header", "save"]
 
 
 def fork(cache):
@@ -62,65 +79,91 @@ def cache_state(cache) -> tuple[list, dict[str, torch.Tensor]]:
 
 
 def save(cache, path, model) -> None:
+    """Write ``cache`` (built for ``model``) to ``path``: see the module docstring for what a file holds."""
     from safetensors.torch import save_file
 
     from kvcompress.calibration import model_fingerprint
     from kvcompress.policies.config import policy_config
 
     trees, tensors = cache_state(cache)
+    for layer, tree in zip(cache.layers, trees, strict=True):
+        tree["code"] = layer_code(layer, tree)
+        tree["calibration_range"] = getattr(layer.store.config, "calibration_range", None)
+    tensors = {k: v.cpu() for k, v in tensors.items()}
     header = {
         "format": FORMAT,
-        "version": VERSION,
+        "code": digests(CORE),
         "policy": cache.policy.describe(),
         "policy_config": policy_config(cache.policy),
         "model_fingerprint": model_fingerprint(model),
         "model_type": model.config.get_text_config(decoder=True).model_type,
         "seq_length": cache.get_seq_length(),
+        "tensors": {name: tensor_digest(t) for name, t in tensors.items()},
         "layers": trees,
     }
-    save_file({k: v.cpu() for k, v in tensors.items()}, str(path), metadata={HEADER_KEY: json.dumps(header)})
-
-
-def read_header(path) -> dict:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-    if HEADER_KEY not in meta:
-        raise ValueError(f"load_cache: {path} is not a kvcompress cache file (no {HEADER_KEY!r} header)")
-    return json.loads(meta[HEADER_KEY])
+    save_file(tensors, str(path), metadata={HEADER_KEY: json.dumps(header)})
 
 
 def load_cache(path, model):
     """The cache saved at ``path``, rebuilt for ``model`` (which must be the model it was saved from)."""
-    from safetensors.torch import load_file
-
-    from kvcompress.cache import build_cache
-    from kvcompress.calibration import model_fingerprint
     from kvcompress.policies.config import policy_from_saved
 
-    header = read_header(path)
-    _check(header, "format", FORMAT, "this is not a kvcompress cache file")
-    _check(header, "version", VERSION, "the cache file format changed; save the cache again with this code")
-    mine = model_fingerprint(model)
-    if header.get("model_fingerprint") != mine:
-        raise ValueError(
-            f"load_cache: model mismatch: {path} was saved from a {header.get('model_type')!r} model with "
-            f"fingerprint {str(header.get('model_fingerprint'))[:12]}..., this is a "
-            f"{model.config.get_text_config(decoder=True).model_type!r} model with fingerprint {mine[:12]}..."
-        )
-    cache = build_cache(policy_from_saved(header["policy_config"]), model)
-    tensors = load_file(str(path), device=str(model.device))
+    header = read_header(path)  # readable, this format, trusted class names, this layout code
+    check_model(path, header, model)
+    check_layer_code(path, header)
+    cache = _build(policy_from_saved(header["policy_config"]), model)
     if len(header["layers"]) != len(cache.layers):
-        raise ValueError(f"load_cache: format mismatch: {len(header['layers'])} layers saved, model has "
-                         f"{len(cache.layers)}")  # fmt: skip
+        raise ValueError(f"load_cache: {path}: format mismatch: {len(header['layers'])} layers saved, model "
+                         f"has {len(cache.layers)}")  # fmt: skip
     for i, (layer, saved) in enumerate(zip(cache.layers, header["layers"], strict=True)):
-        _restore(layer, saved["class"], saved["state"], f"layer {i}", tensors, model.device)
-        _restore(layer.store, saved["store_class"], saved["store"], f"layer {i} store", tensors, model.device)
-    _check(
-        {"seq_length": cache.get_seq_length()}, "seq_length", header["seq_length"], "state did not restore"
-    )
+        check_built(path, i, saved, layer)
+    devices = layer_devices(model, len(cache.layers))
+    tensors = read_tensors(path, header, devices)
+    for i, (layer, saved) in enumerate(zip(cache.layers, header["layers"], strict=True)):
+        where = f"{path}: layer {i}"
+        _restore(layer, saved["class"], saved["state"], where, tensors[i], devices[i])
+        _restore(layer.store, saved["store_class"], saved["store"], f"{where} store", tensors[i], devices[i])
+        if hasattr(layer.store.config, "calibration_from_file"):
+            layer.store.config.calibration_from_file(saved.get("calibration_range"))
+    if cache.get_seq_length() != header["seq_length"]:
+        raise ValueError(f"load_cache: {path}: state did not restore: seq_length {cache.get_seq_length()}, "
+                         f"the file has {header['seq_length']}")  # fmt: skip
     return cache
+
+
+def _build(policy, model):
+    """``build_cache(policy, model)`` without a calibration pass: every storage that can take its
+    calibrated constants from the file (``bases_from_file``) builds its layers with placeholders, which
+    ``_restore`` then replaces by the saved ones."""
+    from kvcompress.cache import build_cache, model_spec
+
+    policy.check(model_spec(model))  # a schedule resolves (and keeps) the storage of every layer
+    with contextlib.ExitStack() as stack:
+        for storage in _storages(policy):
+            if hasattr(storage, "bases_from_file"):
+                stack.enter_context(storage.bases_from_file())
+        return build_cache(policy, model)
+
+
+def _storages(obj, seen: set | None = None):
+    """Every ``Storage`` reachable from a policy: its fields, nested storages, and the per-layer policies a
+    schedule resolved (what ``prepare`` reaches)."""
+    from kvcompress.policies.base import Policy
+    from kvcompress.storage.base import Storage
+
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, Storage):
+        yield obj
+    if isinstance(obj, (Policy, Storage)):
+        obj = vars(obj)
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _storages(value, seen)
 
 
 def _restore(obj, cls: str, state: dict, where: str, tensors, device) -> None:
@@ -132,7 +175,7 @@ def _restore(obj, cls: str, state: dict, where: str, tensors, device) -> None:
     if set(state) - LAZY != have - LAZY:
         raise ValueError(
             f"load_cache: format mismatch: {where} ({cls}) attributes differ from this code's: saved only "
-            f"{sorted(set(state) - have)}, missing {sorted(have - set(state))}; save the cache again"
+            f"{sorted(set(state) - have)}, missing {sorted(have - set(state))}; {AGAIN}"
         )
     for name, node in state.items():
         if isinstance(node, dict) and "store" in node:  # a nested store: restored in place, same checks
@@ -142,13 +185,6 @@ def _restore(obj, cls: str, state: dict, where: str, tensors, device) -> None:
         setattr(obj, name, decode(node, tensors, device))
     if hasattr(obj, "loaded"):  # a store: rebuild what a file does not keep (kernel layouts)
         obj.loaded()
-
-
-def _check(header: dict, key: str, want, hint: str) -> None:
-    if header.get(key) != want:
-        raise ValueError(
-            f"load_cache: {key} mismatch: file has {header.get(key)!r}, expected {want!r} ({hint})"
-        )
 
 
 def _qualname(obj) -> str:

@@ -2,10 +2,14 @@
 exists, their ``_target_`` says which class builds it. Extra folders laid out the same way (a ``policy/``
 and/or ``storage/`` subfolder) join through ``KVCOMPRESS_CONF_PATH`` (``os.pathsep``-separated), so a new
 selector or storage in your own package is one module plus one YAML.
+
+A saved file (a cache file's policy and classes) may name only classes of kvcompress or of a package a
+registered YAML's ``_target_`` lives in (``trusted``); anything else is refused before it is imported.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from pathlib import Path
@@ -41,6 +45,38 @@ def load(group: str, name: str) -> dict:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(OmegaConf.load(files[name]), resolve=True)
+
+
+def trusted(path: str) -> bool:
+    """Whether the dotted ``path`` (a module, or a module and a name in it) lies in kvcompress or in the
+    top-level package of a ``_target_`` in a YAML of the extra config folders (``KVCOMPRESS_CONF_PATH``)."""
+    root = path.split(".")[0]
+    return root == "kvcompress" or root in _plugin_roots(os.environ.get(ENV, ""))
+
+
+def refuse_untrusted(path: str, what: str) -> None:
+    """Raise, naming ``what`` and ``path``, unless ``trusted(path)``; called before anything is imported."""
+    if not isinstance(path, str) or not trusted(path):
+        raise ValueError(
+            f"{what} names {path!r}, which is neither a kvcompress class nor one of a plugin registered "
+            f"through {ENV}: refused (nothing was imported)"
+        )
+
+
+@functools.lru_cache(maxsize=8)
+def _plugin_roots(conf_path: str) -> frozenset[str]:
+    """Top-level packages of the ``_target_``s in the YAMLs of the extra config folders (``conf_path``, the
+    value of ``KVCOMPRESS_CONF_PATH``), read once per value."""
+    from omegaconf import OmegaConf
+
+    roots = set()
+    for folder in (Path(p) for p in conf_path.split(os.pathsep) if p):
+        for path in sorted(folder.glob("*/*.yaml")):
+            cfg = OmegaConf.to_container(OmegaConf.load(path))
+            target = cfg.get("_target_") if isinstance(cfg, dict) else None
+            if isinstance(target, str):
+                roots.add(target.split(".")[0])
+    return frozenset(roots)
 
 
 def import_target(target: str):

@@ -83,7 +83,19 @@ def decode(node, tensors: dict, device):
 
 
 def _named(path: str):
+    """The class at ``path``, imported only if it is kvcompress's or a registered plugin's (``trusted``)."""
+    from kvcompress.registry import refuse_untrusted
+
+    refuse_untrusted(path, "load_cache: a saved state")
     module, _, attr = path.rpartition(".")
-    if not module.startswith("kvcompress."):
-        raise ValueError(f"load_cache: refusing to build {path!r} (only kvcompress types are loaded)")
     return getattr(importlib.import_module(module), attr)
+
+
+def class_names(node) -> set[str]:
+    """Every class a state tree (``encode``'s output) names: nested stores, objects and named tuples."""
+    if isinstance(node, list):
+        return set().union(*map(class_names, node))
+    if not isinstance(node, dict):
+        return set()
+    names = {node[key] for key in ("object", "namedtuple", "class") if isinstance(node.get(key), str)}
+    return names.union(*map(class_names, node.values()))

@@ -1,6 +1,7 @@
 """Snapshots and cache files over every selector x storage cell (and every other policy in conf/policy/):
 restore and load give back the identical state, bit for bit, and the same next logits; loading into
-another model, another format version or a changed layer format is refused by name."""
+another model, a file written by other code or a changed layer format is refused by name (more checks of
+cache files: tests/test_cache_file_checks.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from conftest import POLICY_NAMES, is_selector, make_tiny, small
 from helpers import stream_logits
 from test_selector_storage_product import CELLS, IDS, build_or_refused
 
-from kvcompress import build_cache, compress_context, load_cache
+from kvcompress import build_cache, calibration, compress_context, load_cache
 from kvcompress.persist import HEADER_KEY, cache_state
 from kvcompress.policies.config import policy_config, policy_from_saved
 
@@ -43,12 +44,17 @@ def assert_same_state(a, b) -> None:
         assert [t.stride() for t in x.store.fixed_tensors()] == [t.stride() for t in y.store.fixed_tensors()]
 
 
+def _no_calibration(*args, **kwargs):
+    raise AssertionError("load_cache ran a calibration pass: the file holds the calibrated bases")
+
+
 @pytest.mark.parametrize("sel,var", CASES, ids=CASE_IDS)
-def test_save_and_load_round_trip_bit_exactly(sel, var, tmp_path):
+def test_save_and_load_round_trip_bit_exactly(sel, var, tmp_path, monkeypatch):
     cache = filled(sel, var)
     if cache is None:
         return
     cache.save(tmp_path / "cache.safetensors")
+    monkeypatch.setattr(calibration, "calibrate", _no_calibration)
     loaded = load_cache(tmp_path / "cache.safetensors", MODEL)
     assert loaded.policy.describe() == cache.policy.describe()
     assert_same_state(cache, loaded)
@@ -94,7 +100,7 @@ def _rewrite_header(src, dst, change) -> None:
     save_file(tensors, str(dst), metadata={HEADER_KEY: json.dumps(header)})
 
 
-def test_refuses_another_model_another_version_and_a_changed_format(tmp_path):
+def test_refuses_another_model_other_code_and_a_changed_format(tmp_path):
     cache = filled("h2o", "dense")
     path = tmp_path / "c.safetensors"
     cache.save(path)
@@ -106,12 +112,14 @@ def test_refuses_another_model_another_version_and_a_changed_format(tmp_path):
     with pytest.raises(ValueError, match="model mismatch"):
         load_cache(path, other)
     bad = tmp_path / "bad.safetensors"
-    _rewrite_header(path, bad, lambda h: h.update(version=0))
-    with pytest.raises(ValueError, match="version mismatch: file has 0, expected 1"):
+    _rewrite_header(path, bad, lambda h: h["code"].update({"kvcompress.state": "0" * 16}))
+    with pytest.raises(
+        ValueError, match=r"layout was written by other code: kvcompress.state \(0{16} in the"
+    ):
         load_cache(bad, MODEL)
     _rewrite_header(path, bad, lambda h: h["layers"][1]["state"].pop("acc"))
-    with pytest.raises(ValueError, match=r"format mismatch: layer 1 .* missing \['acc'\]"):
+    with pytest.raises(ValueError, match=r"format mismatch: .*bad.safetensors: layer 1 .* missing \['acc'\]"):
         load_cache(bad, MODEL)
     _rewrite_header(path, bad, lambda h: h["policy_config"].update(_target_="os.system"))
-    with pytest.raises(ValueError, match="not a kvcompress policy or storage"):
+    with pytest.raises(ValueError, match=r"'os.system', which is neither a kvcompress class .* refused"):
         load_cache(bad, MODEL)

@@ -39,11 +39,14 @@ def policy_from_saved(cfg: dict) -> Policy:
 
 
 def _check_targets(node) -> None:
-    from kvcompress.registry import import_target
+    """Refuse any ``_target_`` outside kvcompress and the registered plugins before importing it, then any
+    that is not a policy or storage class."""
+    from kvcompress.registry import import_target, refuse_untrusted
 
     if isinstance(node, dict):
         target = node.get("_target_")
         if target is not None:
+            refuse_untrusted(target, "load_cache: the saved policy's _target_")
             cls = import_target(target)
             if not (isinstance(cls, type) and issubclass(cls, (Policy, Storage))):
                 raise ValueError(f"load_cache: _target_ {target!r} is not a kvcompress policy or storage")

@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from kvcompress import fused_low_rank
 from kvcompress.fields import Bool, Choice, Float, Int
 from kvcompress.spec import ModelSpec, Shape
 from kvcompress.storage import low_rank_bases as lrb
 from kvcompress.storage.base import KINDS, Storage
-from kvcompress.storage.low_rank_config import LowRankChecks
+from kvcompress.storage.low_rank_config import FROM_FILE, LowRankChecks
 from kvcompress.storage.low_rank_store import LowRankStore
 from kvcompress.storage.split import SplitStore
 
@@ -125,9 +127,10 @@ class LowRankStorage(LowRankChecks, Storage):
                 raise ValueError(
                     f"low_rank.keys='pre_rope' cannot work here: {err}; use keys=post_rope"
                 ) from err
-        self._calibration = calibrate(
-            model, self.calibration_text, self.calibration_tokens, self.calibration_dir, self.tokenizer
-        )
+        if not self._from_file:  # a cache file being loaded holds the bases (bases_from_file)
+            self._calibration = calibrate(
+                model, self.calibration_text, self.calibration_tokens, self.calibration_dir, self.tokenizer
+            )
         if self.values_storage is not None:
             self.values_storage.prepare(model)
 
@@ -143,7 +146,14 @@ class LowRankStorage(LowRankChecks, Storage):
 
     def layer_bases(self, layer_idx: int, spec: ModelSpec, kinds) -> dict:
         """(encoder, decoder) of ``kinds`` for one layer, each (G, g * D, r) (one tensor for plain PCA)."""
+        if self._from_file:  # placeholders in the stores' layout, replaced by the file's (persist._build)
+            g = self.blocks(spec)
+            empty = torch.zeros(spec.num_kv_heads // g, g * spec.head_dim, 0)
+            return {kind: (empty, empty) for kind in kinds}
         calibration = self.calibration  # refuses an uncalibrated storage
+        if calibration.get("source") == FROM_FILE:
+            raise RuntimeError("low_rank: its bases came from a cache file; build_cache(policy, model) "
+                               "calibrates it before it builds new layers")  # fmt: skip
         g, out = self.blocks(spec), {}
         for kind in kinds:
             source, weight = self.moments(kind)

@@ -1,8 +1,12 @@
-"""Validation and description of ``LowRankStorage`` fields (kept apart from its formulas and stores)."""
+"""Validation and description of ``LowRankStorage`` fields (kept apart from its formulas and stores), and
+its calibration state: calibrated by ``prepare``, or bases taken from a cache file (``bases_from_file``)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+
+FROM_FILE = "cache file"  # the calibration ``source`` of a storage whose bases a cache file gave
 
 
 def _plain_values(values):
@@ -38,6 +42,7 @@ class LowRankChecks:
         self.values_storage = self._make_values()
         self._calibration: dict | None = None
         self._ropes = None
+        self._from_file = False  # inside bases_from_file: no calibration pass, placeholder bases
 
     def _make_values(self):
         if self.values is None:
@@ -91,6 +96,22 @@ class LowRankChecks:
         if self.values_storage is not None and "values" in kinds:
             return self.values_storage.refuses(selector, ("values",))
         return None
+
+    @contextlib.contextmanager
+    def bases_from_file(self):
+        """While open, ``prepare`` runs no calibration pass and ``layer`` builds stores with empty bases,
+        which ``load_cache`` replaces by a file's (with its calibration range, ``calibration_from_file``):
+        loading never calibrates only to overwrite the result. Once closed, ``prepare`` calibrates again."""
+        self._from_file = True
+        try:
+            yield self
+        finally:
+            self._from_file = False
+
+    def calibration_from_file(self, span: dict | None) -> None:
+        """Record that this storage's bases came from a cache file whose calibration read ``span``: a loaded
+        cache reports it, and evaluation still refuses that text (``calibration_text.check_disjoint``)."""
+        self._calibration = {"source": FROM_FILE, "seconds": None, "range": span}
 
     @property
     def calibration(self) -> dict:
