@@ -4,26 +4,27 @@ The model runs once over calibration text with a ``full`` cache. Per layer the j
 moments (H_kv * D, H_kv * D) of post-RoPE keys, pre-RoPE keys (the same keys un-rotated with the model's
 own rotary embedding, ``kvcompress.storage.rope``) and values are kept, so any basis layout (per head,
 per group, joint) and any rank or energy target is derived from one calibration
-(``kvcompress.storage.low_rank_bases``). Results are keyed by the model (config and a sample of its weights)
-and the calibration token ids, saved atomically under ``cache_dir()/calibration`` and reused; each records
-the text range it read (``range``), so evaluation can refuse to overlap it.
+(``kvcompress.storage.low_rank_bases``). Results are keyed by the model (config and a sample of its weights),
+the calibration token ids, the code that computes them and what is stored (``MOMENTS``, float32, their
+shapes; ``kvcompress.calibration_files``), saved atomically under ``cache_dir()/calibration`` and reused;
+each records the text range it read (``range``), so evaluation can refuse to overlap it. A file that cannot
+be read, or whose key, names, dtypes or shapes are not this code's, is never used: it is computed again
+(with a warning) and replaced.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from kvcompress.assets import cache_dir
+from kvcompress.calibration_files import code_version, read, save_atomic, stored_shapes
 from kvcompress.calibration_text import RANDOM, calibration_ids
 
-VERSION = 3  # bump when the stored content changes
 MOMENTS = ("keys_post", "keys_pre", "values", "queries_post", "queries_pre")
 _MEMO: dict[str, dict] = {}
 
@@ -96,34 +97,21 @@ def calibrate(model, text: str, n_tokens: int, directory: str | Path | None = No
     ``source``: ``"computed"``, ``"disk"`` or ``"memory"``.
     """
     ids, span = calibration_ids(model, text, n_tokens, tokenizer)
-    ident = {"version": VERSION, "model": model_fingerprint(model), "text": text}
+    ident = {"code": code_version(), "model": model_fingerprint(model), "text": text}
     ident["ids"] = hashlib.sha256(ids.numpy().astype("int64").tobytes()).hexdigest()
+    ident["stored"] = {"dtype": "float32", "shapes": stored_shapes(model, MOMENTS)}
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
     path = Path(directory) if directory else cache_dir() / "calibration"
     path = path / f"kv-moments-{key}.pt"
     if key in _MEMO and path.exists():
         return {**_MEMO[key], "source": "memory"}
-    if path.exists():
-        result = {**torch.load(path, weights_only=True), "source": "disk"}
-    else:
+    result = read(path, ident) if path.exists() else None
+    if result is None:
         start = time.perf_counter()
         result = second_moments(model, ids)
         result.update(seconds=time.perf_counter() - start, tokens=ids.shape[1], ident=ident, range=span)
-        _save_atomic(result, path)
+        save_atomic(result, path)
         result["source"] = "computed"
     result.setdefault("bases", {})  # eigenbases derived from the moments, shared by later builds
     _MEMO[key] = result
     return result
-
-
-def _save_atomic(obj: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache may be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
