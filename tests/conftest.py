@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from kvcompress.assets import ARTIFACTS_ENV, ASSETS_ENV
 from kvcompress.cache import known_policies, known_storages, make_policy
 from kvcompress.kernels import ISA_ENV, ISAS
 from kvcompress.policies import Policy, SchedulePolicy, StoragePreset
@@ -20,6 +24,13 @@ from kvcompress.registry import ENV, make_storage
 PLUGINS = Path(__file__).resolve().parent / "plugins"
 os.environ[ENV] = os.pathsep.join(p for p in [os.environ.get(ENV, ""), str(PLUGINS / "conf")] if p)
 sys.path.insert(0, str(PLUGINS))
+
+# Everything kvcompress writes for reuse (calibration moments, lm-eval task data) goes to a temporary folder,
+# set before any test module is collected and removed at exit, never into the user's cache; the fetched
+# assets (model and text wheels, ``assets.asset_dir``) are still found there, fetched once and reused.
+ARTIFACTS = Path(tempfile.mkdtemp(prefix="kvcompress-test-artifacts-"))
+os.environ[ARTIFACTS_ENV] = str(ARTIFACTS)
+atexit.register(shutil.rmtree, ARTIFACTS, ignore_errors=True)
 
 POLICY_NAMES = known_policies()
 STORAGE_NAMES = known_storages()
@@ -91,6 +102,12 @@ def make_tiny(family: str = "llama", dtype=torch.float32, attn="sdpa"):
     return model.to(dtype).eval()
 
 
+@pytest.fixture(scope="session")
+def written_artifacts() -> Path:
+    """The temporary folder that receives what kvcompress writes for reuse during the tests."""
+    return ARTIFACTS
+
+
 @pytest.fixture(params=ISAS)
 def kernel_isa(request, monkeypatch):
     """Runs a test once per build of the C++ kernels (``KVCOMPRESS_CPU_ISA``): the portable twins are
@@ -127,12 +144,14 @@ def tiny_checkpoint(tmp_path_factory):
 
 @pytest.fixture
 def fake_cache(tmp_path, monkeypatch):
-    """An asset cache (KVCOMPRESS_CACHE) holding four short fake essays; no network, no real assets."""
+    """An asset cache (KVCOMPRESS_CACHE) holding four short fake essays; no network, no real assets. What is
+    built from them (lm-eval task data) is written there too, never where the real essays' would be."""
     from helpers import write_fake_essays
 
     root = tmp_path / "kvc_cache"
     write_fake_essays(root)
-    monkeypatch.setenv("KVCOMPRESS_CACHE", str(root))
+    monkeypatch.setenv(ASSETS_ENV, str(root))
+    monkeypatch.setenv(ARTIFACTS_ENV, str(root))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
     return root
