@@ -18,7 +18,6 @@ class ContextPassMode:
     """Mixin of ``PolicyLayer``: ``begin_context_pass`` / ``pass_update`` / ``end_context_pass``."""
 
     needs_context_pass = False  # True: the layer scores the pass and evicts at its end (KVzip)
-    in_context_pass = False
 
     def begin_context_pass(self) -> None:
         if not self.is_initialized:

@@ -49,6 +49,7 @@ class PolicyLayer(ContextPassMode, CacheLayerMixin):
         # multi-token step (``end_step``): every token is encoded once, after its last chance of eviction
         self.encodes_late = policy.evicts == "prefill" and not store.keeps_exactly
         self.step_tokens = 0  # tokens of the step being stored
+        self.in_context_pass, self.pass_valid = False, None  # ContextPassMode
         self.seen = self.evicted = 0
         self.tokens_read, self.tokens_visible = 0, 0  # over steps: read by the last query / by the model's
         self._view: tuple[int, torch.Tensor | None] | None = None
