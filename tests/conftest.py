@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from kvcompress import kernels
 from kvcompress.assets import ARTIFACTS_ENV, ASSETS_ENV
 from kvcompress.cache import known_policies, known_storages, make_policy
 from kvcompress.kernels import ISA_ENV, ISAS
@@ -106,6 +107,18 @@ def make_tiny(family: str = "llama", dtype=torch.float32, attn="sdpa"):
 def written_artifacts() -> Path:
     """The temporary folder that receives what kvcompress writes for reuse during the tests."""
     return ARTIFACTS
+
+
+def pytest_sessionstart(session):
+    """Compile the C++ kernels (both builds) in the background while the first tests run on the other core;
+    a test that needs one waits for it (``kernels.load``)."""
+    kernels.prebuild()
+
+
+def kernel_or_skip(kernel: str) -> None:
+    """Skip the calling test where ``kernel`` does not build here (no compiler)."""
+    if kernels.load(kernel) is None:
+        pytest.skip(f"the C++ kernel {kernel} does not build here: {kernels.why(kernel)}")
 
 
 @pytest.fixture(params=ISAS)

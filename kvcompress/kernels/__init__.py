@@ -37,6 +37,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -45,6 +46,7 @@ ISAS = ("native", "portable")
 ISA_ENV = "KVCOMPRESS_CPU_ISA"
 _BASE_FLAGS = ("-O3", "-fopenmp-simd")
 _BUILT: dict[tuple[str, str], dict[str, object]] = {}
+_LOCKS: dict[tuple[str, str], threading.Lock] = {}
 
 
 def cpu_isa() -> str:
@@ -93,12 +95,30 @@ def load(kernel: str = "quant_attention", isa: str | None = None):
     if isa not in ISAS:
         raise ValueError(f"kernels.load: isa={isa!r}; allowed: {list(ISAS)}")
     built = _BUILT.setdefault((kernel, isa), {})
-    if "module" not in built:
-        built["module"], built["error"] = _build(kernel, isa)
-        if built["module"] is None:
-            warnings.warn(f"kvcompress C++ kernel {kernel} ({isa}) unavailable ({built['error']}); slower "
-                          "tensor forms used", stacklevel=2)  # fmt: skip
+    with _LOCKS.setdefault((kernel, isa), threading.Lock()):  # a prebuild thread may be building it
+        if "module" not in built:
+            built["module"], built["error"] = _build(kernel, isa)
+            if built["module"] is None:
+                warnings.warn(f"kvcompress C++ kernel {kernel} ({isa}) unavailable ({built['error']}); "
+                              "slower tensor forms used", stacklevel=2)  # fmt: skip
     return built["module"]
+
+
+def prebuild(isas=ISAS) -> threading.Thread:
+    """Build every kernel in ``isas`` one after the other in a background thread (started and returned), so
+    a process that will need them (the test suite) compiles while it does other work on another core;
+    ``load`` waits for a kernel the thread is building."""
+
+    build = load  # this function, whatever later replaces the module's name (tests patch it)
+
+    def run():
+        for isa in isas:
+            for kernel in KERNELS:
+                build(kernel, isa)
+
+    thread = threading.Thread(target=run, name="kvcompress-kernel-prebuild", daemon=True)
+    thread.start()
+    return thread
 
 
 def _build(kernel: str, isa: str):

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import kernel_or_skip
 from helpers import stream_logits
 from transformers import DynamicCache
 
@@ -105,17 +106,10 @@ def test_attend_reads_only_selected_pages_and_counts_bytes():
     assert stats["pages_read_fraction"] == 3 / 8
 
 
-def _page_kernel_or_skip():
-    from kvcompress import kernels
-
-    if kernels.load("page_attention") is None:
-        pytest.skip(f"the C++ page kernel does not build here: {kernels.why('page_attention')}")
-
-
 @pytest.mark.usefixtures("kernel_isa")
 @pytest.mark.parametrize("n_tokens,block_size", [(30, 4), (64, 16), (65, 16)])
 def test_pages_read_in_place_equal_attention_over_the_gathered_pages(n_tokens, block_size):
-    _page_kernel_or_skip()
+    kernel_or_skip("page_attention")
     out = {}
     for mode in ("auto", "off"):
         policy = BlockSparsePolicy(block_size=block_size, top_k_blocks=3, fused_attention=mode)
@@ -141,7 +135,7 @@ def test_pages_read_in_place_equal_attention_over_the_gathered_pages(n_tokens, b
 @pytest.mark.parametrize("block_size,ratio,sinks", [(4, 0.25, 1), (4, 0.5, 0), (16, 0.25, 2), (1, 0.1, 3)])
 def test_the_kernels_page_choice_is_the_tensor_forms(block_size, ratio, sinks):
     """``fused_pages.select`` (one C++ call) returns the pages of ``page_bounds`` + ``_select_unpadded``."""
-    _page_kernel_or_skip()
+    kernel_or_skip("page_attention")
     from kvcompress import fused_pages
 
     policy = BlockSparsePolicy(block_size=block_size, read_ratio=ratio, sink_blocks=sinks)
@@ -160,7 +154,7 @@ def test_the_kernels_page_choice_is_the_tensor_forms(block_size, ratio, sinks):
 
 @pytest.mark.usefixtures("kernel_isa")
 def test_decode_with_pages_read_in_place_keeps_the_logits(llama, tokens, monkeypatch):
-    _page_kernel_or_skip()
+    kernel_or_skip("page_attention")
     from kvcompress import fused_pages
 
     calls = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny
+from conftest import kernel_or_skip, make_tiny
 
 from kvcompress import build_cache, fused_quant, kernels
 from kvcompress.metrics.perplexity import decode_perplexity
@@ -37,8 +37,8 @@ def reference(query, kq, vq, k_res, v_res, bits, group):
 @pytest.mark.parametrize("bits,group", [(8, 4), (8, 16), (4, 4), (4, 8), (4, 16), (2, 8), (2, 16)])
 @pytest.mark.parametrize("impl", fused_quant.IMPLS)
 def test_attention_from_codes_equals_attention_over_the_dequantized_copy(bits, group, impl):
-    if impl == "kernel" and kernels.load() is None:
-        pytest.skip(f"the C++ kernel does not build here: {kernels.why()}")
+    if impl == "kernel":
+        kernel_or_skip("quant_attention")
     query, kq, vq, k_res, v_res = quantized_attention_case(bits, group)
     got = fused_quant.attend(query, kq, vq, k_res, v_res, 0.25, bits, group, impl)
     want = reference(query, kq, vq, k_res, v_res, bits, group)
@@ -51,8 +51,7 @@ def test_attention_from_codes_equals_attention_over_the_dequantized_copy(bits, g
 def test_kernel_vector_path_equals_attention_over_the_dequantized_copy(bits, group):
     """head_dim 64 and groups of 16 or 32 tokens: the kernel's 16-token blocks (AVX-512 where the CPU has
     it; the scalar loops elsewhere give the same numbers)."""
-    if kernels.load() is None:
-        pytest.skip(f"the C++ kernel does not build here: {kernels.why()}")
+    kernel_or_skip("quant_attention")
     query, kq, vq, k_res, v_res = quantized_attention_case(bits, group, te=96, d=64, seed=1)
     got = fused_quant.attend(query, kq, vq, k_res, v_res, 0.25, bits, group, "kernel")
     want = reference(query, kq, vq, k_res, v_res, bits, group)
@@ -71,8 +70,8 @@ def _perplexity(model, ids, mode):
 @pytest.mark.usefixtures("kernel_isa")
 @pytest.mark.parametrize("mode", ["eager", "kernel"])
 def test_perplexity_is_unchanged_by_the_fused_path(mode):
-    if mode == "kernel" and kernels.load() is None:
-        pytest.skip(f"the C++ kernel does not build here: {kernels.why()}")
+    if mode == "kernel":
+        kernel_or_skip("quant_attention")
     model = make_tiny("llama")
     ids = torch.randint(2, 90, (1, 96), generator=torch.Generator().manual_seed(3))
     dense, dense_calls = _perplexity(model, ids, "off")

@@ -6,12 +6,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import kernel_or_skip
 
 from kvcompress import fused_low_rank, kernels
 
+
+@pytest.fixture
+def _needs_kernel():  # at test time, not collection: the kernels build in the background meanwhile
+    kernel_or_skip("latent_values")
+
+
 pytestmark = [
-    pytest.mark.skipif(kernels.load("latent_values") is None, reason="no C++ compiler"),
-    pytest.mark.usefixtures("kernel_isa"),
+    pytest.mark.usefixtures("kernel_isa", "_needs_kernel"),
 ]
 
 

@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from conftest import make_tiny
+from conftest import kernel_or_skip, make_tiny
 from helpers import stream_logits
 from test_low_rank_rope import ROPE, TINY, make
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -22,9 +22,14 @@ from kvcompress.storage import rope_table
 from kvcompress.storage.low_rank_store import from_blocks
 from kvcompress.storage.rope import Rope, model_ropes
 
+
+@pytest.fixture
+def _needs_kernel():  # at test time, not collection: the kernels build in the background meanwhile
+    kernel_or_skip("rope_latent")
+
+
 pytestmark = [
-    pytest.mark.skipif(kernels.load("rope_latent") is None, reason="no C++ compiler"),
-    pytest.mark.usefixtures("kernel_isa"),  # the portable twin of every vector loop too
+    pytest.mark.usefixtures("kernel_isa", "_needs_kernel"),  # the portable twin of every vector loop too
 ]
 
 
