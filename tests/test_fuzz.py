@@ -1,6 +1,11 @@
-"""Property-based fuzzing of every policy over every storage: random shapes, lengths, padding, chunk sizes
+"""Property-based fuzzing of every policy over every storage: random shapes, lengths, padding, forward sizes
 and parameters. Each class declares its parameter ranges next to its code (``FUZZ``); nothing is listed
 here, so a new selector or storage is fuzzed by itself.
+
+Only declared refusals may end an example early, each in its own situation, decided before it can happen:
+a field check naming the drawn field and value, a selector/storage pair its storage ``refuses`` (which then
+must be refused), and the two refusals a stream may meet (batch rows keeping different numbers of encoded
+tokens; an eviction into quantized per-channel groups after decode steps). Any other exception fails.
 
 CI runs a bounded number of examples; ``HYPOTHESIS_PROFILE=long`` runs many more locally.
 """
@@ -8,6 +13,7 @@ CI runs a bounded number of examples; ``HYPOTHESIS_PROFILE=long`` runs many more
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -16,15 +22,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcompress import build_cache, make_policy
+from kvcompress.memory_model import layer_policy_of
 from kvcompress.policies import SchedulePolicy
 from kvcompress.registry import make_storage
 from kvcompress.storage.buffers import storage_bytes
+from kvcompress.storage.quant import QuantStore
+from kvcompress.storage.residual import ResidualStore
 
 settings.register_profile("ci", max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 settings.register_profile("long", max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 MODEL = make_tiny("llama")
+# What a stream may be refused with, and when (``stream_refusals``).
+ROWS_DIFFER = r"batch rows keep \[([\d, ]+)\] encoded tokens after eviction"
+REGROUP = r"an eviction would remove tokens from quantized groups of quant \w+_axis"
 
 
 def strategy(spec):
@@ -50,16 +62,154 @@ def _storage():
     )
 
 
-def _policy(name):
-    """The policy to fuzz: schedules as their small test version, others from their FUZZ, over any storage."""
+def _fields(name):
+    """The drawn ``(fields, storage)`` of the policy to fuzz: None for schedules (their small test version),
+    a storage preset's own fields (quant, low_rank: storage None), or a selector's over any storage."""
     policy = make_policy(name)
     if isinstance(policy, SchedulePolicy) or not type(policy).FUZZ:
-        return st.just(small(name))
-    if policy.selector != name:  # a storage preset (quant, low_rank): its own fields are the storage
-        return strategy(type(policy).FUZZ).map(lambda p: make_policy(name, **p))
-    return st.tuples(strategy(type(policy).FUZZ), _storage()).map(
-        lambda t: make_policy(name, **t[0], storage=t[1])
+        return st.just(None)
+    if policy.selector != name:
+        return strategy(type(policy).FUZZ).map(lambda p: (p, None))
+    return st.tuples(strategy(type(policy).FUZZ), _storage())
+
+
+def names_a_drawn_field(err: Exception, drawn) -> bool:
+    """Whether ``err`` names one of the drawn fields (policy or storage) with its drawn value."""
+    fields, storage = drawn or ({}, None)
+    named = {**fields, **(storage or {})}
+    return any(f"{k}={v!r}" in str(err) or f"{k}={v}" in str(err) for k, v in named.items())
+
+
+def construct(name, drawn):
+    """The drawn policy, or None when its checks refuse the drawn fields: then the message must name one of
+    them with its drawn value (``h2o.budget=3 is below recent=4``)."""
+    if drawn is None:
+        return small(name)
+    fields, storage = drawn
+    try:
+        return make_policy(name, **fields, **({} if storage is None else {"storage": storage}))
+    except ValueError as err:
+        assert names_a_drawn_field(err, drawn), err
+        return None
+
+
+def declared_pair_refusals(policy) -> list[str]:
+    """What ``build_cache`` must refuse, from each layer's storage's own declaration (``Storage.refuses``)."""
+    n = MODEL.config.num_hidden_layers
+    layers = {id(p): p for p in (layer_policy_of(policy, i, n) for i in range(n))}.values()
+    return [
+        f"{p.selector} over storage={p.storage.name} cannot work: {why}"
+        for p in layers
+        if (why := p.storage.refuses(p))
+    ]
+
+
+def build_or_refused(policy, drawn):
+    """The cache, or None when refused as declared: a pair whose storage refuses it must be refused with that
+    reason; otherwise only a check against the model naming a drawn field, or the selector's own refusal of
+    its drawn storage by name, may stop the build."""
+    declared = declared_pair_refusals(policy)
+    if declared:
+        with pytest.raises(ValueError) as err:
+            build_cache(policy, MODEL)
+        assert str(err.value) in declared
+        return None
+    try:
+        return build_cache(policy, MODEL)
+    except ValueError as err:
+        storage = getattr(policy, "storage", None)
+        pair = storage is not None and str(err).startswith(
+            f"{getattr(policy, 'selector', None)} over storage={storage.name} cannot work: "
+        )
+        assert pair or names_a_drawn_field(err, drawn), err
+        return None
+
+
+def _stores(store):
+    """A layer's store, and the key and value stores of a split one."""
+    parts = (store, getattr(store, "key_store", None), getattr(store, "value_store", None))
+    return [s for s in parts if s is not None]
+
+
+def stream_refusals(cache, batch: int, sizes: list[int]) -> list[str]:
+    """Patterns of the refusals this stream may meet, decided before it runs:
+
+    - an evicting selector over an encoding store (quant, low_rank) with several rows: rows that keep
+      different numbers of encoded tokens (``residual._encoded_kept``);
+    - a prefill-time selector over per-channel quant groups, with a multi-token forward after one-token ones:
+      an eviction into quantized groups (``QuantStore.keep``)."""
+    allowed = []
+    evicting = [layer for layer in cache.layers if layer.policy.evicts != "never"]
+    stores = [(layer, s) for layer in evicting for s in _stores(layer.store)]
+    if batch > 1 and any(isinstance(s, ResidualStore) for _, s in stores):
+        allowed.append(ROWS_DIFFER)
+    after_decode = any(a == 1 and b > 1 for i, a in enumerate(sizes) for b in sizes[i + 1 :])
+    regroups = any(
+        isinstance(s, QuantStore) and not s.keeps_exactly and layer.policy.evicts == "prefill"
+        for layer, s in stores
     )
+    if after_decode and regroups:
+        allowed.append(REGROUP)
+    return allowed
+
+
+def forward_sizes(length: int, chunk: int, split: int, steps: int) -> list[int]:
+    """Tokens per forward: ``split`` tokens in chunks of ``chunk``, ``steps`` one-token steps, the rest in
+    chunks again (a question after some decoding)."""
+    steps = min(steps, length - split)
+    rest = length - split - steps
+    return (
+        [min(chunk, split - s) for s in range(0, split, chunk)]
+        + [1] * steps
+        + [min(chunk, rest - s) for s in range(0, rest, chunk)]
+    )
+
+
+@st.composite
+def cases(draw, name):
+    batch = draw(st.integers(1, 2))
+    length = draw(st.integers(2, 56))
+    pads = [0] + [draw(st.integers(0, length - 1)) for _ in range(batch - 1)]
+    chunk, split = draw(st.integers(1, 17)), draw(st.integers(1, length))
+    return {
+        "drawn": draw(_fields(name)),
+        "sizes": forward_sizes(length, chunk, split, draw(st.integers(0, 3))),
+        "ids": torch.randint(
+            2, 95, (batch, length), generator=torch.Generator().manual_seed(draw(st.integers(0, 99)))
+        ),
+        "pads": pads,
+    }
+
+
+def _stream(cache, ids, mask, sizes):
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        s = 0
+        for n in sizes:
+            e = s + n
+            out = MODEL(ids[:, s:e], attention_mask=mask[:, :e], position_ids=positions[:, s:e], cache=cache)
+            assert torch.isfinite(out.logits).all()
+            s = e
+    assert s == ids.shape[1]
+
+
+def _chunks(length: int, chunk: int) -> list[int]:
+    return forward_sizes(length, chunk, length, 0)
+
+
+def stream_or_refused(cache, ids, mask, sizes) -> bool:
+    """Stream ``ids``; False when refused by one of the refusals ``stream_refusals`` allows here."""
+    allowed = stream_refusals(cache, ids.shape[0], sizes)
+    try:
+        _stream(cache, ids, mask, sizes)
+    except ValueError as err:
+        found = [m for m in (re.search(p, str(err)) for p in allowed) if m]
+        if not found:
+            raise
+        if found[0].re.pattern == ROWS_DIFFER:  # the refusal's claim holds: the rows' counts differ
+            assert len(set(found[0].group(1).split(", "))) > 1, err
+        return False
+    return True
 
 
 def compresses(policy) -> bool:
@@ -73,55 +223,20 @@ def compresses(policy) -> bool:
     return storage is None or (storage.name != "dense" and no_metadata)
 
 
-@st.composite
-def cases(draw, name):
-    batch = draw(st.integers(1, 2))
-    length = draw(st.integers(2, 56))
-    pads = [0] + [draw(st.integers(0, length - 1)) for _ in range(batch - 1)]
-    try:
-        policy = draw(_policy(name))
-    except ValueError:
-        policy = None  # invalid parameter combinations must fail at construction, clearly
-    return {
-        "policy": policy,
-        "chunk": draw(st.integers(1, 17)),
-        "ids": torch.randint(
-            2, 95, (batch, length), generator=torch.Generator().manual_seed(draw(st.integers(0, 99)))
-        ),
-        "pads": pads,
-    }
-
-
-def _stream(cache, ids, mask, chunk):
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.inference_mode():
-        for s in range(0, ids.shape[1], chunk):
-            e = s + chunk
-            out = MODEL(ids[:, s:e], attention_mask=mask[:, :e], position_ids=positions[:, s:e], cache=cache)
-            assert torch.isfinite(out.logits).all()
-
-
 @pytest.mark.parametrize("name", POLICY_NAMES)
 def test_fuzz_policy(name):
     @given(case=cases(name))
     def check(case):
-        ids, chunk, policy = case["ids"], case["chunk"], case["policy"]
+        ids, sizes = case["ids"], case["sizes"]
         mask = torch.ones_like(ids)
         for row, pad in enumerate(case["pads"]):
             mask[row, :pad] = 0
-        if policy is None:
+        policy = construct(name, case["drawn"])
+        cache = None if policy is None else build_or_refused(policy, case["drawn"])
+        if cache is None or not stream_or_refused(cache, ids, mask, sizes):
             return
-        try:
-            cache = build_cache(policy, MODEL)
-        except ValueError:
-            return  # invalid against the model (group size vs head_dim), or a refused selector/storage pair
         full = build_cache("full", MODEL)
-        try:
-            _stream(cache, ids, mask, chunk)
-        except ValueError as err:  # rows that cannot be compressed independently are refused by name
-            assert "padding" in str(err) and ids.shape[0] > 1
-            return
-        _stream(full, ids, mask, chunk)
+        _stream(full, ids, mask, sizes)
         assert cache.get_seq_length() == ids.shape[1]
         assert all(s["tokens_seen"] == ids.shape[1] for s in cache.stats())
         if compresses(policy):  # fixed per-layer state (low-rank bases) is not per-token growth
@@ -140,8 +255,8 @@ def test_storage_state_adds_to_the_selectors_allowance(tmp_path):
     policy = make_policy("h2o", budget=2, compression_ratio=None, observation_window=1, storage=storage)
     ids = torch.tensor([[82, 32]])
     cache, full = build_cache(policy, MODEL), build_cache("full", MODEL)
-    _stream(cache, ids, torch.ones_like(ids), 1)
-    _stream(full, ids, torch.ones_like(ids), 1)
+    _stream(cache, ids, torch.ones_like(ids), _chunks(2, 1))
+    _stream(full, ids, torch.ones_like(ids), _chunks(2, 1))
     fixed = storage_bytes(t for layer in cache.layers for t in layer.store.fixed_tensors())
     ratio = (cache.memory_bytes() - fixed) / full.memory_bytes()
     assert type(policy).MAX_MEMORY_RATIO < ratio <= max_memory_ratio(policy)
