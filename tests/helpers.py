@@ -1,7 +1,11 @@
-"""Helpers shared by tests: stream tokens through a cache, list every tensor a layer holds."""
+"""Helpers shared by tests: stream tokens through a cache, list every tensor a layer holds, check a padding
+refusal."""
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 
 
@@ -12,6 +16,20 @@ def stream_logits(model, ids, cache, chunk: int):
     for s in range(0, ids.shape[1], chunk):
         out.append(model(ids[:, s : s + chunk], cache=cache, use_cache=True).logits)
     return torch.cat(out, dim=1)
+
+
+def refuses_padding(cache, policy_name: str) -> bool:
+    """Whether ``cache`` declares that it cannot compress a left-padded row exactly as alone (layers or stores
+    with ``pads_exactly = False``, ``padding.inexact_layers``). If it does, ``check_padding`` must refuse a
+    padded batch naming the policy, those classes and the fix."""
+    from kvcompress.padding import check_padding, inexact_layers
+
+    bad = inexact_layers(cache)
+    if bad:
+        named = re.escape(f"policy {policy_name!r} ({', '.join(bad)})")
+        with pytest.raises(ValueError, match=rf"task\.batch_size > 1 .*{named}.*Set task\.batch_size=1"):
+            check_padding(cache, policy_name, "task.batch_size")
+    return bool(bad)
 
 
 def held_tensors(obj, depth: int = 0):
