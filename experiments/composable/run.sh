@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 K=".venv/bin/kvcompress"
 R=experiments/composable/runs
-NIAH="task=niah task.question_in_prompt=true task.progress=false"
+# the task defaults these records were made with (five depths, one needle), pinned
+NIAH="task=niah task.question_in_prompt=true task.progress=false task.depths=[0,25,50,75,100] task.extra_needles=[]"
 PREFIX="task.max_tokens=2049 task.prefix_tokens=1536 task.chunk_size=1 task.speed=false task.progress=false task.slices=1"
 DECODE="task.max_tokens=1024 task.chunk_size=1 task.speed=false task.progress=false task.slices=1"
 run() { local name=$1; shift; [ -f "$R/$name/results.json" ] && grep -q '"status": "ok"' "$R/$name/results.json" && return 0; $K "$@" hydra.run.dir="$R/$name"; }

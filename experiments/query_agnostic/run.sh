@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Query-agnostic compression on the embedded default: NIAH with the question after the context (4-digit
 # needle, answer prefix), snapkv unit chunk vs token (question in the prompt, 5-digit needle), multi_niah,
-# prefix perplexity, and kvzip's prefill cost next to snapkv. Records: experiments/query_agnostic/runs/<name>/.
+# prefix perplexity, kvzip under lm-eval (SmolLM2 and Gemma-3 270M), and kvzip's prefill cost next to
+# snapkv. Records: experiments/query_agnostic/runs/<name>/.
 # One run at a time, resumable (a run with an ok results.json is skipped).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -36,5 +37,14 @@ run prefix_full policy=full "${PREFIX[@]}"
 for r in 0.5 0.75; do
   for p in kvzip snapkv; do run prefix_${p}_$r policy=$p policy.compression_ratio=$r "${PREFIX[@]}"; done
 done
+# kvzip under lm-eval (offline essay perplexity): each request's context is compressed by the context pass,
+# then its continuation scored; max_length=512 gives the essays' later rolling windows a context to compress
+lm() { local name=$1; shift; [ -f "$R/$name/results.json" ] && grep -q '"status": "ok"' "$R/$name/results.json" && return 0
+  echo "=== $name $(date +%T)"; OMP_NUM_THREADS=1 $K task=lm_eval "task.tasks=[kvc_essays_ppl]" task.limit=2 \
+    task.max_length=512 "$@" hydra.run.dir="$R/$name" > /dev/null; }
+lm lm_eval_full policy=full
+lm lm_eval_kvzip_0.5 policy=kvzip policy.compression_ratio=0.5
+lm lm_eval_gemma3_full model=gemma3 policy=full
+lm lm_eval_gemma3_kvzip_0.5 model=gemma3 policy=kvzip policy.compression_ratio=0.5  # its global layers
 run bench_prefill task=bench "task.policies=[full,snapkv,kvzip]" "task.lengths=[2048]" task.decode_tokens=8
 ${PYTHON:-.venv/bin/python} scripts/collect.py "$R"
