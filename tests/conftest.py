@@ -110,9 +110,20 @@ def written_artifacts() -> Path:
 
 
 def pytest_sessionstart(session):
-    """Compile the C++ kernels (both builds) in the background while the first tests run on the other core;
+    """Compile the C++ kernels (both builds) in another process while the first tests run on the other core;
     a test that needs one waits for it (``kernels.load``)."""
-    kernels.prebuild()
+    session.config.stash[_PREBUILD] = kernels.prebuild()
+
+
+def pytest_sessionfinish(session):
+    """Stop a prebuild still running (an interrupted or filtered run): its lock goes with it."""
+    proc = session.config.stash.get(_PREBUILD, None)
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+_PREBUILD = pytest.StashKey()
 
 
 def kernel_or_skip(kernel: str) -> None:

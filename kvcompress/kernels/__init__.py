@@ -31,6 +31,7 @@ what a BLAS does worst) with each latent read once into register accumulators (`
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -38,12 +39,19 @@ import platform
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not on Windows
+    fcntl = None
 
 KERNELS = ("quant_attention", "page_attention", "rope_latent", "latent_values")
 ISAS = ("native", "portable")
 ISA_ENV = "KVCOMPRESS_CPU_ISA"
+WAIT_ENV = "KVCOMPRESS_KERNEL_WAIT_S"
 _BASE_FLAGS = ("-O3", "-fopenmp-simd")
 _BUILT: dict[tuple[str, str], dict[str, object]] = {}
 _LOCKS: dict[tuple[str, str], threading.Lock] = {}
@@ -95,7 +103,7 @@ def load(kernel: str = "quant_attention", isa: str | None = None):
     if isa not in ISAS:
         raise ValueError(f"kernels.load: isa={isa!r}; allowed: {list(ISAS)}")
     built = _BUILT.setdefault((kernel, isa), {})
-    with _LOCKS.setdefault((kernel, isa), threading.Lock()):  # a prebuild thread may be building it
+    with _LOCKS.setdefault((kernel, isa), threading.Lock()):  # another thread may be building it
         if "module" not in built:
             built["module"], built["error"] = _build(kernel, isa)
             if built["module"] is None:
@@ -104,36 +112,64 @@ def load(kernel: str = "quant_attention", isa: str | None = None):
     return built["module"]
 
 
-def prebuild(isas=ISAS) -> threading.Thread:
-    """Build every kernel in ``isas`` one after the other in a background thread (started and returned), so
-    a process that will need them (the test suite) compiles while it does other work on another core;
-    ``load`` waits for a kernel the thread is building."""
-
-    build = load  # this function, whatever later replaces the module's name (tests patch it)
-
-    def run():
-        for isa in isas:
-            for kernel in KERNELS:
-                build(kernel, isa)
-
-    thread = threading.Thread(target=run, name="kvcompress-kernel-prebuild", daemon=True)
-    thread.start()
-    return thread
+def prebuild(isas=ISAS) -> subprocess.Popen:
+    """Build every kernel in ``isas`` in a separate process (started and returned: ``python -m
+    kvcompress.kernels``), so a process that will need them (the test suite) compiles while it does other
+    work on another core; ``load`` in this process waits for a kernel the other one is building (a lock the
+    operating system drops when its holder exits, however it exits) and then imports what it built."""
+    cmd = [sys.executable, "-m", "kvcompress.kernels", *isas]
+    quiet = subprocess.DEVNULL
+    return subprocess.Popen(cmd, stdin=quiet, stdout=quiet, stderr=quiet)
 
 
 def _build(kernel: str, isa: str):
     """(module, None), or (None, the reason) where the build fails (no compiler, headers or ninja)."""
     source = Path(__file__).with_name(f"{kernel}.cpp")
     try:
+        from torch.utils.cpp_extension import _get_build_directory
         from torch.utils.cpp_extension import load as build
 
         quiet = os.environ.get("KVC_KERNEL_VERBOSE", "0") != "1"
-        print(f"kvcompress: loading the C++ kernel {kernel} ({isa} build; built once per machine, in about "
-              "a minute)", file=sys.stderr)  # fmt: skip
         name = f"kvc_{kernel}_{isa}_{_build_key(source, isa)}"
-        return build(name=name, sources=[str(source)], extra_cflags=build_flags(isa), verbose=not quiet), None
+        folder = Path(_get_build_directory(name, verbose=False))
+        with build_lock(folder, f"{kernel} ({isa})"):
+            if not (folder / f"{name}.so").exists():
+                print(f"kvcompress: building the C++ kernel {kernel} ({isa} build; once per machine, in "
+                      "about a minute)", file=sys.stderr)  # fmt: skip
+            flags = build_flags(isa)
+            return build(name=name, sources=[str(source)], extra_cflags=flags, build_directory=str(folder),
+                         verbose=not quiet), None  # fmt: skip
     except Exception as err:  # the tensor form runs instead
         return None, f"{err!r:.300}"
+
+
+@contextlib.contextmanager
+def build_lock(folder: Path, what: str, wait_s: float | None = None):
+    """Hold the build of ``folder`` against every other process: an ``flock`` the operating system releases
+    when its holder dies, unlike torch's own lock file, which a killed build leaves behind for every later
+    one to wait on forever. Holding ours, no other build is running, so such a leftover file is removed.
+    Waits at most ``wait_s`` (``$KVCOMPRESS_KERNEL_WAIT_S``, default 1800 s), then raises ``TimeoutError``."""
+    wait_s = float(os.environ.get(WAIT_ENV, "1800")) if wait_s is None else wait_s
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "kvcompress.lock", "a+b") as handle:
+        deadline = time.monotonic() + wait_s
+        while not _try_flock(handle):
+            if time.monotonic() > deadline:
+                held = f"another process has held the build of {what} in {folder} for {wait_s:.0f} s"
+                raise TimeoutError(held)
+            time.sleep(0.1)
+        (folder / "lock").unlink(missing_ok=True)  # torch's, left by a build that was killed
+        yield
+
+
+def _try_flock(handle) -> bool:
+    if fcntl is None:  # no flock on this platform: torch's own lock file only
+        return True
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def why(kernel: str = "quant_attention", isa: str | None = None) -> str | None:
