@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from kvcompress.masks import causal
+
 
 def decode_attention(query, key, value, scaling: float, scores: bool = True):
     """Attention of one query per row over every stored key, softmax in float32.
@@ -54,3 +56,33 @@ def attend_by_parts(query, scaling: float, kv_heads: int, key_logits, value_outp
     q = query.reshape(b, kv_heads, h // kv_heads, d).float() * scaling  # (B, H_kv, n, D)
     out = value_output(torch.softmax(key_logits(q), dim=-1))  # (B, H_kv, n, D)
     return out.reshape(b, 1, h, -1).to(query.dtype)
+
+
+def window_scores(query, key, scaling: float, valid=None) -> torch.Tensor:
+    """Attention probabilities of a step's last ``w`` queries, averaged over each KV group's query heads.
+
+    Costs O(w x T) (never T x T) and is what score-based eviction (H2O, SnapKV, TOVA, block scoring) reads.
+
+    Args:
+        query: (B, H, w, D) the last ``w`` queries of the step; the last one sits at key position T - 1.
+        key: (B, H_kv, T, D) the keys this step's attention read (after RoPE).
+        scaling: the softmax scale the model uses.
+        valid: (B, 1 or H_kv, T) bool, False for padding keys, or None.
+
+    Returns:
+        (B, H_kv, w, T) float32 probabilities: causal within the window, padding keys exactly 0, and
+        all-zero rows for queries that are themselves padding.
+    """
+    b, h, w, d = query.shape
+    h_kv, t = key.shape[1], key.shape[2]
+    g = h // h_kv
+    q = query.reshape(b, h_kv, g * w, d).float()  # (B, H_kv, g*w, D): query heads of each group, stacked
+    logits = torch.matmul(q, key.float().transpose(-1, -2)).view(b, h_kv, g, w, t)  # no per-head key copy
+    logits.mul_(scaling)
+    if w > 1 or valid is not None:
+        allowed = causal(w, t, key.device)  # (w, T)
+        if valid is not None:
+            allowed = allowed & valid[:, :, None, None, :]  # (B, h, 1, w, T)
+        logits.masked_fill_(~allowed, float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # fully masked rows (padding queries) become 0
+    return probs.mean(dim=2)

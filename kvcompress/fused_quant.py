@@ -14,7 +14,8 @@ shapes). Where compile is unavailable the eager form runs the same sums through 
 broadcast temporaries); the two agree to float32 rounding. On a CPU, a hand-written kernel
 (``kvcompress.kernels``, ``fused_attention: kernel``, what ``auto`` picks there when it builds) runs the
 same sums in blocks of 16 tokens from the bytes: the only form measured faster than a float32 cache on a
-CPU. ``form`` decides, in one place, which form a mode runs on a device.
+CPU. Which form runs is the attention backends' choice (``kvcompress.backends``: ``cpu`` for the kernel,
+``torch`` for the tensor forms).
 Liu et al., KIVI, arXiv 2402.02750.
 """
 
@@ -118,30 +119,12 @@ def _compiled():
     return _COMPILED["fn"]
 
 
-def form(mode: str, on_cpu: bool) -> str | None:
-    """What ``fused_attention: mode`` runs on this device: ``"kernel"`` (the C++ kernel), ``"compile"``,
-    ``"eager"``, ``"auto"`` (compiled from ``COMPILE_MIN_TOKENS`` quantized tokens), or None: read the
-    dequantized copy (``off``, or ``auto`` on a CPU where the kernel does not build: the tensor forms were
-    measured slower than the copy there)."""
-    if mode == "off":
-        return None
-    if mode == "auto" and on_cpu:
-        return "kernel" if kernels.load() is not None else None
-    return mode
-
-
-def quant_attention(mode: str, query, kq, vq, k_res, v_res, scaling, bits: int, group: int):
-    """``attend`` in the form ``form(mode)`` says (a mode that would read the dense copy runs the tensor
-    forms when called here)."""
+def tensor_attention(mode: str, query, kq, vq, k_res, v_res, scaling, bits: int, group: int):
+    """``attend`` in a tensor form: compiled for ``compile`` (and for ``auto`` from ``COMPILE_MIN_TOKENS``
+    quantized tokens), else the eager ``matmul`` form. A failed compile under ``auto`` falls back to the
+    eager form, said once; under ``compile`` it raises."""
     args = (query, kq, vq, k_res, v_res, scaling, bits, group)
-    on_cpu = query.device.type == "cpu"
-    how = form(mode, on_cpu) or "auto"
-    if how == "kernel":
-        if not on_cpu or kernels.load() is None:
-            where = "a CUDA tensor" if not on_cpu else f"it did not build: {kernels.why()}"
-            raise RuntimeError(f"quant.fused_attention='kernel' runs on a CPU only ({where})")
-        return attend(*args, "kernel")
-    want = how == "compile" or (how == "auto" and kq[0].shape[2] >= COMPILE_MIN_TOKENS)
+    want = mode == "compile" or (mode == "auto" and kq[0].shape[2] >= COMPILE_MIN_TOKENS)
     if want and _COMPILED.get("fn", True) is not None:
         try:
             return _compiled()(*args, "fused")

@@ -133,3 +133,17 @@ def save_tiny_gguf_tokenizer(folder, checkpoint) -> None:
     w.add_tensor("token_embd.weight", np.zeros((len(tokens), 64), dtype=np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
     w.close()
+
+
+class Compact:
+    """The steps of ``cache``'s layers whose attention ran a compact read (codes, latents, pages), counted
+    from the layers' own ``attention_reads`` when asked: ``len(Compact(cache))``."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def __len__(self) -> int:
+        return sum(n for layer in self.cache.layers for form, n in layer.reads_ran.items() if form != "dense")
+
+    def __bool__(self) -> bool:
+        return len(self) > 0

@@ -7,7 +7,7 @@ import torch
 from conftest import make_tiny
 
 from kvcompress import build_cache
-from kvcompress.attention import window_scores
+from kvcompress.fused import window_scores
 
 
 def _grouped(probs: torch.Tensor, num_kv: int) -> torch.Tensor:
@@ -119,15 +119,22 @@ def test_fused_decode_attention_matches_sdpa_and_window_scores(dtype):
 
 
 def test_fused_decode_path_only_for_plain_softmax_attention():
-    """Soft-capping, learned sinks (``s_aux``) or training fall back to the model's own kernel."""
+    """Soft-capping, learned sinks (``s_aux``) or training fall back to the model's own kernel: the grouped
+    ``torch`` backend declines such a call and names why."""
     from types import SimpleNamespace
 
-    from kvcompress.attention import _fusable
+    from kvcompress.backends import Torch
+    from kvcompress.plan import Call, Dense, Plan
 
-    def module(training=False, cap=None):
-        return SimpleNamespace(training=training, config=SimpleNamespace(attn_logit_softcapping=cap))
+    def call(training=False, cap=None, **kwargs):
+        module = SimpleNamespace(training=training, config=SimpleNamespace(attn_logit_softcapping=cap))
+        return Call(module, torch.randn(1, 4, 1, 8), 0.3, kwargs, "sdpa")
 
-    assert _fusable(module(), {})
-    assert not _fusable(module(), {"s_aux": torch.zeros(4)})
-    assert not _fusable(module(cap=30.0), {})
-    assert not _fusable(module(training=True), {})
+    key = torch.randn(1, 2, 5, 8)
+    plan = Plan(Dense(key, key, None), probs="last")
+    assert Torch().missing(plan, call()) is None
+    for refused in (call(s_aux=torch.zeros(4)), call(cap=30.0), call(training=True)):
+        assert (
+            Torch().missing(plan, refused)
+            == "plain softmax only (the model adds soft-capping, sinks or dropout)"
+        )

@@ -13,7 +13,7 @@ from kvcompress.tasks.batched import batches
 
 # what a batch's slots change: padding slots are stored, read and counted
 CACHE_FIELDS = ("tokens_stored_mean", "cache_bytes", "cache_ratio", "read_ratio", "tokens_evicted",
-                "compressed", "batch_rows")  # fmt: skip
+                "compressed", "batch_rows", "attention_backends")  # fmt: skip
 
 
 def _answers(metrics: dict) -> list[dict]:

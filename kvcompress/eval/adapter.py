@@ -15,6 +15,7 @@ of an ``hf`` argument, ``hf.<name>`` for that argument: ``split_policy_args``)::
 from __future__ import annotations
 
 import inspect
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ from kvcompress.eval.batching import check_batch_size, equal_length_groups
 from kvcompress.eval.calibration_guard import CalibrationGuard
 from kvcompress.eval.streamed import Scores, score_requests, stream
 from kvcompress.metrics.compression import (
+    attention_backends,
     flag_uncompressed,
     full_cache_bytes,
     is_compressed,
@@ -124,7 +126,8 @@ def _hint(kind: str, chunk_size: int, context_pass: bool) -> str:
 
 
 def _counters() -> dict:
-    return {"requests": 0, "tokens": 0, "tokens_evicted": 0, "tokens_read": 0.0, "tokens_visible": 0}
+    counts = {"requests": 0, "tokens": 0, "tokens_evicted": 0, "tokens_read": 0.0, "tokens_visible": 0}
+    return counts | {"attention_backends": Counter()}  # layer-steps per attention backend
 
 
 @register_model("kvcompress")
@@ -178,6 +181,7 @@ class KVCompressLM(CalibrationGuard, HFLM):
             stats["tokens_evicted"] += evicted
             stats["tokens_read"] += read * batch
             stats["tokens_visible"] += visible * batch
+            stats["attention_backends"].update(attention_backends(cache))
             if cache.get_seq_length() >= stats["tokens"]:
                 stats.update(tokens=cache.get_seq_length(), batch=batch, cache_bytes=cache.memory_bytes())
 
@@ -198,6 +202,7 @@ class KVCompressLM(CalibrationGuard, HFLM):
             "tokens_evicted": self.kvc_stats["tokens_evicted"],
             "read_ratio": self.kvc_stats["tokens_read"] / visible if visible else None,
             "compressed": bool(verdicts) and not missed,
+            "attention_backends": dict(sorted(self.kvc_stats["attention_backends"].items())),
         }
         if missed:
             evidence = " (no eviction, every token read, bytes not below full)"

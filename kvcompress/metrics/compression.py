@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections import Counter
 
 import torch
 
@@ -52,6 +53,15 @@ def read_counts(cache) -> tuple[float, int]:
     model's own attention would have read in the same steps (``PolicyLayer.count_read``)."""
     stats = cache.stats() if hasattr(cache, "stats") else []
     return sum(s.get("tokens_read", 0.0) for s in stats), sum(s.get("tokens_visible", 0) for s in stats)
+
+
+def attention_backends(cache) -> dict[str, int]:
+    """Layer-steps each attention backend ran (``kvcompress.backends``: ``{"cpu": n, "sdpa": m}``), summed
+    over the cache's layers: which code computed a result's numbers. {} for a cache without the counters."""
+    total: Counter = Counter()
+    for s in cache.stats() if hasattr(cache, "stats") else []:
+        total.update(s.get("attention_backends", {}))
+    return dict(sorted(total.items()))
 
 
 def read_ratio(cache) -> float | None:

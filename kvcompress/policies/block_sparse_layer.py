@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvcompress import fused_pages
+from kvcompress.plan import Pages
 from kvcompress.policies.base import ModelSpec, PolicyLayer
 from kvcompress.storage.buffers import gather_pages, gather_tokens
 
@@ -110,8 +111,8 @@ class BlockSparseLayer(PolicyLayer):
         pages = self.select(query[:, :, 0])
         if self.valid is None and self.window is None:  # every read token is real: no mask at all
             self._count_unpadded(pages, key)
-            if self.read_pos is None and fused_pages.usable(self.policy.fused_attention, key):
-                self.deferred, self._reads = True, (pages, key, value)  # read in place: attend_codes
+            if self.read_pos is None and self.policy.fused_attention != "off":
+                self.deferred, self._reads = True, (pages, key, value)  # read in place if a backend can
                 return key, value, None
             return self._attend_unpadded(pages, key, value)
         idx, ok = self._tokens(pages, key.shape[-2])
@@ -179,11 +180,14 @@ class BlockSparseLayer(PolicyLayer):
         v = torch.cat([gather_pages(value, pages[..., :-1], bs), value[:, :, tail:total]], dim=2)
         return k, v, None
 
-    def attend_codes(self, query, scaling: float) -> torch.Tensor:
-        """The step's output (B, 1, H, D), its pages read in place (``kvcompress.fused_pages``)."""
-        (pages, key, value), self._reads, self.deferred = self._reads, None, False
+    def compact_read(self) -> Pages:
+        """The chosen pages, to be read where they lie (``kvcompress.fused_pages`` on a CPU)."""
+        pages, key, value = self._reads
+        return Pages(key, value, pages.contiguous(), self.policy.block_size, key.shape[2])
+
+    def compact_done(self) -> None:
+        self._reads, self.deferred = None, False
         self.counters["in_place_steps"] += 1
-        return fused_pages.attend(query, scaling, key, value, pages, self.policy.block_size, key.shape[2])
 
     def read_deferred(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The chosen pages gathered, where the model's attention cannot be replaced (soft-capping)."""

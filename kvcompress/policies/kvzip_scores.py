@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from kvcompress.masks import causal
+
 
 def max_attention(query, key, scaling: float, stored: int, key_valid=None, query_valid=None) -> torch.Tensor:
     """The most attention any query of a KV group gives each stored key: (B, H_kv, stored) float32.
@@ -22,8 +24,7 @@ def max_attention(query, key, scaling: float, stored: int, key_valid=None, query
     g = h // h_kv
     logits = torch.matmul(query.reshape(b, h_kv, g * q, d).float(), key.float().mT).view(b, h_kv, g, q, t)
     logits.mul_(scaling)
-    kpos = torch.arange(t, device=key.device)
-    allowed = kpos[None, :] <= (stored + torch.arange(q, device=key.device))[:, None]  # (q, T): causal
+    allowed = causal(q, t, key.device)  # (q, T): the chunk follows the stored tokens (t = stored + q)
     if key_valid is not None:
         allowed = allowed & key_valid[:, :, None, None, :]  # (B, h, 1, q, T)
     logits.masked_fill_(~allowed, float("-inf"))

@@ -10,13 +10,14 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvcompress import attention, forward_state
+from kvcompress import forward_state
+from kvcompress.fused import window_scores
 from kvcompress.policies.context_mode import ContextPassMode
-from kvcompress.profiling import TIMER
+from kvcompress.policies.layer_attention import LayerAttention
 from kvcompress.storage.buffers import Slots, storage_bytes, writing
 
 
-class PolicyLayer(ContextPassMode, CacheLayerMixin):
+class PolicyLayer(LayerAttention, ContextPassMode, CacheLayerMixin):
     """Stores every token (the ``full`` selector). Subclasses select in ``compress()`` (after the step's
     tokens are appended) or in ``observe_attention()`` (after attention, when ``wants_scores``)."""
 
@@ -24,13 +25,12 @@ class PolicyLayer(ContextPassMode, CacheLayerMixin):
     is_compileable = False
     is_croppable = False
     wants_scores = False
-    grouped_decode = False  # one decode query attends through ``fused.decode_attention`` even without scores
     order_free = False  # True: no decision depends on stored order, so evicting one token may reorder
     needs_positions = False  # track each stored token's absolute position (``pos``) even on full layers
     contiguous = False  # stored tokens are always the latest ones in order (positions need no tracking)
     per_token: tuple[str, ...] = ()  # (B, 1 or H_kv, T) tensors aligned with the stored tokens
     per_row: tuple[str, ...] = ()  # (B, ...) tensors
-    deferred = False  # this step's attention reads the store itself (``attend_codes``), not a dense copy
+    deferred = False  # this step's attention reads the store's compact form (``plan``), not a dense copy
     probe = None  # a fidelity probe watching this layer (``watch``), or None
     read_pos: torch.Tensor | None = None  # (B, 1 or H_kv, T) positions this step's attention reads (probed)
     probe_only_pos = False  # ``pos`` is tracked only for the probe: not the policy's bytes
@@ -52,6 +52,8 @@ class PolicyLayer(ContextPassMode, CacheLayerMixin):
         self.in_context_pass, self.pass_valid = False, None  # ContextPassMode
         self.seen = self.evicted = 0
         self.tokens_read, self.tokens_visible = 0, 0  # over steps: read by the last query / by the model's
+        self.backends_ran: dict[str, int] = {}  # attention backend -> steps it ran (``executor``)
+        self.reads_ran: dict[str, int] = {}  # read form (dense, kivi, latent, pages) -> steps
         self._view: tuple[int, torch.Tensor | None] | None = None
         self.slots = Slots()  # buffers of per-token state (``pos``, ``per_token``) this layer grows in place
         for name in self.per_token + self.per_row:
@@ -100,14 +102,6 @@ class PolicyLayer(ContextPassMode, CacheLayerMixin):
         plain = type(self).compress is PolicyLayer.compress and type(self).attend is PolicyLayer.attend
         simple = q == 1 and self.valid is None and self.window is None and not self.wants_scores
         return plain and simple and self.probe is None and self.store.attends_codes()  # a probe reads K/V
-
-    def attend_codes(self, query, scaling: float) -> torch.Tensor:
-        """A deferred step's output (B, 1, H, D) straight from the store (no dense copy); the step ends."""
-        self.deferred = False
-        out = self.store.attend_codes(query, scaling)
-        with TIMER.measure():
-            self.end_step()
-        return out
 
     def read_deferred(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A deferred step's dense keys/values (B, H_kv, T, D), when its attention cannot read codes."""
@@ -165,6 +159,7 @@ class PolicyLayer(ContextPassMode, CacheLayerMixin):
         self.valid = self._view = self.pos = self.left_pad = None
         self.seen = self.evicted = 0
         self.tokens_read, self.tokens_visible = 0, 0
+        self.backends_ran, self.reads_ran = {}, {}
         self.deferred = False
         for name in self.per_token + self.per_row:
             setattr(self, name, None)
@@ -275,6 +270,8 @@ class PolicyLayer(ContextPassMode, CacheLayerMixin):
             "tokens_evicted": self.evicted,
             "tokens_read": float(self.tokens_read),
             "tokens_visible": self.tokens_visible,
+            "attention_backends": dict(self.backends_ran),
+            "attention_reads": dict(self.reads_ran),
             "bytes": self.memory_bytes(),
             **self.store.stats(),
         }
@@ -315,7 +312,7 @@ class PolicyLayer(ContextPassMode, CacheLayerMixin):
         w = min(window, query.shape[2])
         if probs is not None and w == probs.shape[2] and self.valid is None:
             return probs
-        return attention.window_scores(query[:, :, -w:], key, scaling, self.valid)
+        return window_scores(query[:, :, -w:], key, scaling, self.valid)
 
     def attention_mask(self, q: int) -> torch.Tensor | None:
         """Boolean mask (B or 1, 1 or H_kv, q, T) for what ``update`` returned, or None for plain causal.

@@ -139,8 +139,11 @@ class Store:
 
     def attends_codes(self) -> bool:
         """Whether a decode query can attend from what is stored without a dense ``read`` (then
-        ``attend_codes(query, scaling)`` returns the attention output (B, 1, H, D))."""
+        ``compact_read()`` says what to read: a ``kvcompress.plan`` read a backend runs)."""
         return False
+
+    def compact_read(self):
+        raise NotImplementedError(f"{type(self).__name__} has no compact read")
 
     def flush(self, valid: torch.Tensor | None = None) -> None:
         """End of a step: compress what waited in full precision (quantize, project). ``valid``

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvcompress import fused_low_rank
-from kvcompress.fused import attend_by_parts
+from kvcompress.plan import Latent
 from kvcompress.profiling import TIMER
 from kvcompress.storage.buffers import storage_bytes
 from kvcompress.storage.residual import ResidualStore
@@ -104,10 +104,10 @@ class LowRankStore(ResidualStore):
         """Whether a decode query attends in the latent space (values always, keys unless pre-RoPE)."""
         return self.config.fused_attention != "off" and "keys" in self.kinds and self.encoded_length > 0
 
-    def attend_codes(self, query, scaling: float) -> torch.Tensor:
-        """Attention output (B, 1, H, D) of a decode query (B, H, 1, D) over every stored token."""
-        heads = self.residual[self.kinds[0]].shape[1]
-        return attend_by_parts(query, scaling, heads, self.key_logits, self.value_output)
+    def compact_read(self) -> Latent:
+        """Logits and value sums from the latents, for a backend that attends by parts."""
+        res = self.residual[self.kinds[0]]
+        return Latent(self.key_logits, self.value_output, res.shape[1], res.device)
 
     def value_output(self, probs: torch.Tensor) -> torch.Tensor:
         """``sum_t p_ht v_t`` (B, H_kv, n, D) float32 for probs (B, G, g * n, T): the encoded tokens' in

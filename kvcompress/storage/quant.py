@@ -12,6 +12,7 @@ import torch
 
 from kvcompress import fused_quant
 from kvcompress.fields import Choice, Int
+from kvcompress.plan import Kivi
 from kvcompress.spec import ModelSpec, Shape
 from kvcompress.storage import quantizer
 from kvcompress.storage.base import Storage
@@ -49,17 +50,13 @@ class QuantStore(ResidualStore):
     def attends_codes(self) -> bool:
         """Whether a decode query can attend straight from the codes (``kvcompress.fused_quant``)."""
         c = self.config
-        on_cpu = self.residual[self.kinds[0]].device.type == "cpu"
-        off = fused_quant.form(c.fused_attention, on_cpu) is None
+        off = c.fused_attention == "off"
         return not off and self.encoded_length > 0 and len(self.kinds) == 2 and c.codes_layout_fits(self.spec)
 
-    def attend_codes(self, query, scaling: float):
-        """Attention output (B, 1, H, D) of a decode query (B, H, 1, D) over every stored token."""
+    def compact_read(self) -> Kivi:
+        """The codes and the residual window, for a backend that attends from them."""
         c = self.config
-        return fused_quant.quant_attention(
-            c.fused_attention, query, self.qkeys, self.qvalues, self.keys, self.values, scaling, c.bits,
-            c.group_size,
-        )  # fmt: skip
+        return Kivi(self.qkeys, self.qvalues, self.keys, self.values, c.bits, c.group_size, c.fused_attention)
 
     def flush_count(self, residual: int) -> int:
         g = self.config.group_size

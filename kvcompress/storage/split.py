@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import partial
 
 from kvcompress import fused_low_rank
-from kvcompress.fused import attend_by_parts
+from kvcompress.plan import Latent
 from kvcompress.storage.base import Store
 
 
@@ -49,11 +49,11 @@ class SplitStore(Store):
     def attends_codes(self) -> bool:
         return self.key_store.attends_codes()
 
-    def attend_codes(self, query, scaling: float):
+    def compact_read(self) -> Latent:
         """Keys' logits from the key store's codes (``LowRankStore.key_logits``), values read dense."""
         values = self.value_store.read()[1]  # (B, H_kv, T, D)
         weigh = partial(fused_low_rank.dense_values, values=values)
-        return attend_by_parts(query, scaling, values.shape[1], self.key_store.key_logits, weigh)
+        return Latent(self.key_store.key_logits, weigh, values.shape[1], values.device)
 
     def flush(self, valid=None) -> None:
         for store in self._both():

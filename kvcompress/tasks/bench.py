@@ -19,7 +19,7 @@ from kvcompress.cache import PEERS, build_cache, held_bytes, known_policies, mak
 from kvcompress.context_pass import after_prefill, forward_prompt
 from kvcompress.guard import check_fits
 from kvcompress.memory_model import predicted_for_model
-from kvcompress.metrics.compression import read_ratio
+from kvcompress.metrics.compression import attention_backends, read_ratio
 from kvcompress.metrics.memory import peak_device_bytes, peak_rss_bytes, tier_summary
 from kvcompress.metrics.speed import _sync
 from kvcompress.metrics.stats import median_iqr
@@ -88,13 +88,15 @@ def _measure(model, ids, cache, decode_tokens: int, after=None) -> dict:
         "ttft_s": ttft, "decode_s": decode, "policy_s": timer.seconds, "bytes": held_bytes(cache),
         "peak_rss": peak_rss_bytes(), "peak_device": peak_device_bytes(model.device) or 0, **tiers,
         "read_ratio": read_ratio(cache),  # the same in every repeat; None for transformers' caches
+        "attention_backends": attention_backends(cache),  # {} for transformers' caches
     }  # fmt: skip
 
 
 def _summarise(samples: dict, decode_tokens: int) -> list[dict]:
     rows = []
     for (name, length), runs in samples.items():
-        med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "read_ratio"}
+        once = ("read_ratio", "attention_backends")  # the same in every repeat
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k not in once}
         ttft, dec = median_iqr([r["ttft_s"] for r in runs]), median_iqr([r["decode_s"] for r in runs])
         rows.append(
             {
@@ -109,6 +111,7 @@ def _summarise(samples: dict, decode_tokens: int) -> list[dict]:
                 "policy_overhead": med["policy_s"] / med["decode_s"],
                 "cache_bytes": int(med["bytes"]),
                 "read_ratio": runs[0]["read_ratio"],
+                "attention_backends": runs[0]["attention_backends"],
                 "peak_rss_mb": max(r["peak_rss"] for r in runs) / 2**20,  # the process's, up to this point
                 "peak_device_mb": max(r["peak_device"] for r in runs) / 2**20 or None,
                 **{k: med[k] for k in TIER_COLUMNS if k in med},  # tiered: per tier, fetches, hit rate

@@ -24,7 +24,13 @@ from kvcompress.calibration_text import cache_spans, check_disjoint, text_span
 from kvcompress.context_pass import after_prefill
 from kvcompress.data import load_text
 from kvcompress.guard import check_fits
-from kvcompress.metrics.compression import compression_check, full_cache_bytes, read_ratio, tokens_evicted
+from kvcompress.metrics.compression import (
+    attention_backends,
+    compression_check,
+    full_cache_bytes,
+    read_ratio,
+    tokens_evicted,
+)
 from kvcompress.metrics.fidelity import Lockstep, logit_divergence
 from kvcompress.metrics.perplexity import NonFiniteError, _check_prefix
 from kvcompress.tasks.fidelity_report import summarize, write_outputs
@@ -129,7 +135,8 @@ def _acted(policy, cache, metrics: dict) -> dict:
     warning only when none of these (``metrics.compression``)."""
     held = (metrics["cache_bytes"], metrics["full_cache_bytes"])
     hint = "Set a budget below task.max_tokens, or task.prefix_tokens for prefill-time policies."
-    return compression_check(policy.name, tokens_evicted(cache), *held, hint, read_ratio(cache))
+    check = compression_check(policy.name, tokens_evicted(cache), *held, hint, read_ratio(cache))
+    return check | {"attention_backends": attention_backends(cache)}
 
 
 def _params(policy) -> str:

@@ -14,7 +14,7 @@ from kvcompress.tasks.batched import batch_size, batches, cache_shares, padded_s
 from kvcompress.tasks.retrieval import eos_ids
 
 # a context's fields of ``retrieval.cache_fields``
-CACHE_FIELDS = ("tokens_evicted", "cache_ratio", "read_ratio", "compressed")
+CACHE_FIELDS = ("tokens_evicted", "cache_ratio", "read_ratio", "compressed", "attention_backends")
 
 
 def run_contexts(model, tokenizer, policy, cfg, grid: list[tuple[int, int]], progress) -> list[dict]:

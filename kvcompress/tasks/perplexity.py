@@ -15,7 +15,13 @@ from kvcompress.context_pass import after_prefill
 from kvcompress.data import load_text
 from kvcompress.guard import check_fits
 from kvcompress.metrics import decode_perplexity, measure_speed, peak_rss_bytes
-from kvcompress.metrics.compression import compression_check, full_cache_bytes, read_ratio, tokens_evicted
+from kvcompress.metrics.compression import (
+    attention_backends,
+    compression_check,
+    full_cache_bytes,
+    read_ratio,
+    tokens_evicted,
+)
 from kvcompress.metrics.memory import (
     fixed_bytes,
     peak_device_bytes,
@@ -83,6 +89,7 @@ def _score(model, tokenizer, ids, policy, cfg, chars) -> dict:
     metrics["cache_ratio"] = metrics["cache_bytes"] / metrics["full_cache_bytes"]
     per_token = metrics["cache_bytes"] - metrics["fixed_bytes"]
     metrics["per_token_cache_ratio"] = per_token / metrics["full_cache_bytes"]  # bases left out
+    metrics["attention_backends"] = attention_backends(cache)  # which backend computed the numbers
     check = compression_check(
         policy.name, tokens_evicted(cache), per_token, metrics["full_cache_bytes"],
         _never_compressed_hint(cfg), read_ratio(cache),

@@ -16,7 +16,13 @@ import torch
 
 from kvcompress.cache import build_cache
 from kvcompress.context_pass import prefill
-from kvcompress.metrics.compression import full_cache_bytes, is_compressed, read_ratio, tokens_evicted
+from kvcompress.metrics.compression import (
+    attention_backends,
+    full_cache_bytes,
+    is_compressed,
+    read_ratio,
+    tokens_evicted,
+)
 from kvcompress.metrics.memory import tier_summary
 
 
@@ -135,6 +141,7 @@ def cache_fields(model, policy, cache, rows: int = 1) -> dict:
         "read_ratio": read,
         "tokens_evicted": evicted,
         "compressed": is_compressed(evicted, cache.memory_bytes(), full, read),
+        "attention_backends": attention_backends(cache),
         **tiers,
     }
 

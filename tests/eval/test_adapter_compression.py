@@ -54,10 +54,12 @@ def test_full_is_never_flagged_and_quant_counts_by_bytes(tiny_checkpoint):
     full = _lm(tiny_checkpoint, policy="full")
     full._model_call(IDS)
     result, warned = _compression(full)
+    assert set(result.pop("attention_backends")) == {"sdpa"}  # full reads dense key/value through SDPA
     assert result == {"tokens_evicted": 0, "read_ratio": 1.0, "compressed": False} and warned == []
     quant = _lm(tiny_checkpoint, policy="quant", bits=4, group_size=4, residual_length=8, chunk_size=1)
     quant._model_call(IDS)
     result, warned = _compression(quant)
+    assert result.pop("attention_backends")  # which backends ran: the quant kernel where it builds
     assert result == {"tokens_evicted": 0, "read_ratio": 1.0, "compressed": True} and warned == []
 
 
@@ -72,4 +74,5 @@ def test_quest_log_likelihoods_are_compressed_by_what_they_read(tiny_checkpoint)
 
 def test_no_request_yet_is_not_compressed_and_not_flagged(tiny_checkpoint):
     result, warned = _compression(_lm(tiny_checkpoint, **SNAP))
-    assert result == {"tokens_evicted": 0, "read_ratio": None, "compressed": False} and warned == []
+    expect = {"tokens_evicted": 0, "read_ratio": None, "compressed": False, "attention_backends": {}}
+    assert result == expect and warned == []

@@ -11,7 +11,9 @@ from helpers import stream_logits
 from transformers import DynamicCache
 
 from kvcompress import build_cache
+from kvcompress.executor import Standalone, execute
 from kvcompress.metrics.memory import read_summary
+from kvcompress.plan import Call
 from kvcompress.policies import BlockSparsePolicy, ModelSpec
 
 SPEC = ModelSpec(num_layers=1, num_heads=6, num_kv_heads=2, head_dim=8, max_positions=512)
@@ -118,12 +120,16 @@ def test_pages_read_in_place_equal_attention_over_the_gathered_pages(n_tokens, b
         keys = torch.randn(1, SPEC.num_kv_heads, n_tokens, SPEC.head_dim, generator=g)
         k_all, v_all = layer.update(keys, torch.randn(keys.shape, generator=g))
         query = torch.randn(1, SPEC.num_heads, 1, SPEC.head_dim, generator=g)
-        k, v, mask = layer.attend(query, k_all, v_all)
-        assert mask is None and layer.deferred == (mode == "auto")
+        plan = layer.plan(query, k_all, v_all)
+        assert plan.form == ("pages" if mode == "auto" else "dense")
         if mode == "auto":  # nothing was gathered: attention reads the stored buffer itself
-            assert k.data_ptr() == k_all.data_ptr()
-            out[mode] = layer.attend_codes(query, 0.3)[0, 0]  # (H, D)
+            assert plan.read.key.data_ptr() == k_all.data_ptr()
+            out[mode], _, ran = execute(plan, Call(Standalone(), query, 0.3, {}, "sdpa"))
+            out[mode] = out[mode][0, 0]  # (H, D)
+            assert ran == ("cpu", "pages") and plan.done is not None
         else:
+            k, v = plan.read.key, plan.read.value
+            assert plan.read.mask is None
             ref = torch.nn.functional.scaled_dot_product_attention(query, k, v, scale=0.3, enable_gqa=True)
             out[mode] = ref[0, :, 0]
         out[mode + "_bytes"] = layer.stats()["kv_bytes_read"]

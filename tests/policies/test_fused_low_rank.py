@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_tiny
-from helpers import stream_logits
+from helpers import Compact, stream_logits
 
 from kvcompress import build_cache
 from kvcompress.metrics.perplexity import decode_perplexity
@@ -31,10 +31,7 @@ def policy(tmp_path, **kw):
 
 def _counted(cache):
     """Count the decode steps that attended from the latents."""
-    calls = []
-    for layer in cache.layers:
-        original = layer.store.attend_codes
-        layer.store.attend_codes = lambda *a, _f=original: calls.append(1) or _f(*a)
+    calls = Compact(cache)
     return calls
 
 

@@ -6,9 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import kernel_or_skip, make_tiny
+from helpers import Compact
 
 from kvcompress import build_cache, fused_quant, kernels
+from kvcompress.executor import Standalone, Unserved, execute
 from kvcompress.metrics.perplexity import decode_perplexity
+from kvcompress.plan import Call, Kivi, Plan
 from kvcompress.storage import quantizer as Q
 
 
@@ -60,10 +63,7 @@ def test_kernel_vector_path_equals_attention_over_the_dequantized_copy(bits, gro
 
 def _perplexity(model, ids, mode):
     cache = build_cache("quant", model, bits=4, group_size=8, residual_length=8, fused_attention=mode)
-    calls = []
-    for layer in cache.layers:
-        original = layer.store.attend_codes
-        layer.store.attend_codes = lambda *a, _f=original: calls.append(1) or _f(*a)
+    calls = Compact(cache)
     return decode_perplexity(model, ids, cache, progress=False)["perplexity"], len(calls)
 
 
@@ -84,8 +84,8 @@ def test_perplexity_is_unchanged_by_the_fused_path(mode):
 def test_compiled_path_matches_the_eager_one():
     pytest.importorskip("torch._inductor")
     query, kq, vq, k_res, v_res = quantized_attention_case(4, 8, te=96)
-    eager = fused_quant.quant_attention("eager", query, kq, vq, k_res, v_res, 0.25, 4, 8)
-    compiled = fused_quant.quant_attention("compile", query, kq, vq, k_res, v_res, 0.25, 4, 8)
+    eager = fused_quant.tensor_attention("eager", query, kq, vq, k_res, v_res, 0.25, 4, 8)
+    compiled = fused_quant.tensor_attention("compile", query, kq, vq, k_res, v_res, 0.25, 4, 8)
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
 
@@ -98,16 +98,15 @@ def test_auto_falls_back_to_eager_once_compile_fails(monkeypatch):
 
     monkeypatch.setattr(fused_quant, "_COMPILED", {})
     monkeypatch.setattr(fused_quant, "COMPILE_MIN_TOKENS", 0)
-    monkeypatch.setattr(kernels, "load", lambda: None)  # as on a machine without a C++ compiler
-    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(torch, "compile", broken)  # as on a machine without a C++ compiler
     args = quantized_attention_case(4, 8)
     with pytest.warns(UserWarning, match="torch.compile unavailable"):
-        out = fused_quant.quant_attention("auto", *args, 0.25, 4, 8)
+        out = fused_quant.tensor_attention("auto", *args, 0.25, 4, 8)
     torch.testing.assert_close(out, fused_quant.attend(*args, 0.25, 4, 8, "matmul"))
     assert fused_quant._COMPILED["fn"] is None  # not retried
     with pytest.raises(RuntimeError, match="no C"):
         monkeypatch.setattr(fused_quant, "_COMPILED", {})
-        fused_quant.quant_attention("compile", *args, 0.25, 4, 8)
+        fused_quant.tensor_attention("compile", *args, 0.25, 4, 8)
 
 
 def test_a_deferred_step_outside_kvcompress_attention_fails_loudly(llama, tokens):
@@ -131,17 +130,19 @@ def test_asking_for_fused_attention_on_a_layout_it_cannot_read_is_refused(llama,
         build_cache("quant", llama, bits=4, group_size=4, key_axis="token", fused_attention=mode)
 
 
-def test_kernel_mode_off_the_cpu_or_without_a_build_is_refused(monkeypatch):
-    args = quantized_attention_case(4, 8)
-    monkeypatch.setattr(kernels, "load", lambda: None)
-    monkeypatch.setattr(kernels, "why", lambda: "no compiler")
-    with pytest.raises(RuntimeError, match="fused_attention='kernel' runs on a CPU only .*no compiler"):
-        fused_quant.quant_attention("kernel", *args, 0.25, 4, 8)
+def test_kernel_mode_without_a_build_is_refused_naming_each_backend(monkeypatch):
+    query, kq, vq, k_res, v_res = quantized_attention_case(4, 8)
+    monkeypatch.setattr(kernels, "load", lambda *a: None)
+    monkeypatch.setattr(kernels, "why", lambda *a: "no compiler")
+    plan = Plan(Kivi(kq, vq, k_res, v_res, 4, 8, "kernel"))
+    why = "cpu: the C\\+\\+ kernel quant_attention did not build: no compiler.*torch: "
+    with pytest.raises(Unserved, match=why):
+        execute(plan, Call(Standalone(), query, 0.25, {}, "sdpa"))
     # auto without the kernel reads the dense copy on a CPU (the tensor forms are slower there)
     llama = make_tiny("llama")
     ids = torch.randint(2, 90, (1, 24), generator=torch.Generator().manual_seed(1))
     cache = build_cache("quant", llama, bits=4, group_size=4, residual_length=4)
-    llama(ids, cache=cache, use_cache=True)
-    assert not any(layer.store.attends_codes() for layer in cache.layers)
-    monkeypatch.setattr(kernels, "load", lambda: object())  # a kernel that built
-    assert all(layer.store.attends_codes() for layer in cache.layers)
+    for t in range(ids.shape[1]):
+        llama(ids[:, t : t + 1], cache=cache, use_cache=True)
+    assert all(layer.store.attends_codes() for layer in cache.layers)  # it offered its codes
+    assert not Compact(cache) and all(set(layer.backends_ran) == {"sdpa"} for layer in cache.layers)

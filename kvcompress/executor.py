@@ -1,0 +1,74 @@
+"""Runs a layer's ``Plan`` with the first backend (``kvcompress.backends.BACKENDS``) that serves it.
+
+The executor owns the branches of a step: a compact read no backend serves is made dense (the layer's
+``plan.dense()``) and tried again; a plan with no dense form that no backend serves is refused, naming what
+each backend lacks. The backend that ran is returned, for the layer's counters and every result.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcompress import backends
+from kvcompress.plan import Call, Plan
+
+
+class Unserved(RuntimeError):
+    """No attention backend serves a plan that has no dense form."""
+
+
+def choose(plan: Plan, call: Call) -> tuple[backends.Backend | None, dict[str, str]]:
+    """The first backend that serves ``plan``, and why each one before it did not."""
+    why: dict[str, str] = {}
+    for backend in backends.BACKENDS:
+        missing = backend.missing(plan, call)
+        if missing is None:
+            return backend, why
+        why[backend.name] = missing
+    return None, why
+
+
+def execute(plan: Plan, call: Call) -> tuple[torch.Tensor, torch.Tensor | None, tuple[str, str]]:
+    """Output (B, q, H, D), the decode query's probabilities (B, H_kv, 1, T) or None, and what ran: the
+    backend's name and the form of the read it ran (``dense`` after a fallback)."""
+    backend, why = choose(plan, call)
+    if backend is None and plan.dense is not None:
+        dense = Plan(plan.dense(), probs=plan.probs, grouped=plan.grouped)
+        return execute(dense, call)
+    if backend is None:
+        q = call.query
+        lacks = "; ".join(f"{name}: {reason}" for name, reason in why.items())
+        raise Unserved(
+            f"no attention backend serves a {plan.form} read ({_detail(plan)}on {q.device.type}, {q.dtype}) "
+            f"and it has no dense form: {lacks}"
+        )
+    out, probs = backend.run(plan, call)
+    if plan.done is not None:
+        plan.done()
+    return out, probs, (backend.name, plan.form)
+
+
+def _detail(plan: Plan) -> str:
+    mode = getattr(plan.read, "mode", None)
+    return "" if mode is None else f"mode {mode!r}, "
+
+
+class Standalone(torch.nn.Module):
+    """The attention module of a layer driven by hand: plain causal softmax attention."""
+
+    is_causal = True
+
+    def __init__(self):
+        super().__init__()
+        self.config = type("Config", (), {"attn_logit_softcapping": None})()
+        self.eval()
+
+
+def attend(layer, query, key, value, scaling: float, backend: str = "sdpa") -> torch.Tensor:
+    """One step of ``layer`` driven by hand, as the attention hook runs it: ``key``/``value`` (B, H_kv, T, D)
+    are what ``layer.update`` returned, query (B, H, q, D); the output is (B, q, H, D)."""
+    call = Call(Standalone(), query, scaling, {}, backend)
+    plan = layer.plan(query, key, value)
+    out, probs, ran = execute(plan, call)
+    layer.attended(plan, call, out, probs, ran)
+    return out

@@ -1,0 +1,94 @@
+"""Attention plans and backends: the executor runs a layer's plan with the first backend that serves it,
+a new backend plugs in without touching a layer, and every result records the backend that ran."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny
+
+from kvcompress import backends, build_cache
+from kvcompress.executor import Unserved, execute
+from kvcompress.metrics.compression import attention_backends
+from kvcompress.plan import Call, Dense, Plan
+
+
+def _decode(model, cache, ids) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.cat([model(ids[:, t : t + 1], cache=cache).logits for t in range(ids.shape[1])], dim=1)
+
+
+def _ids(n: int = 12, seed: int = 3) -> torch.Tensor:
+    return torch.randint(2, 90, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+class Reference(backends.Backend):
+    """A backend a user plugs in: kvcompress's reference eager attention over dense reads."""
+
+    name = "reference"
+
+    def missing(self, plan, call):
+        return None if plan.form == "dense" else f"reads dense key/value only, not {plan.form}"
+
+    def run(self, plan, call):
+        r = plan.read
+        out, _ = backends.eager_attention(call.module, call.query, r.key, r.value, r.mask, call.scaling)
+        return out, None
+
+
+@pytest.fixture
+def reference_backend():
+    saved = list(backends.BACKENDS)
+    backends.register(Reference())
+    yield
+    backends.BACKENDS[:] = saved
+
+
+def test_every_step_is_counted_under_the_backend_that_ran():
+    """``full`` reads dense key/value through the model's SDPA at every layer-step, prefill included."""
+    model, ids = make_tiny("llama"), _ids()
+    cache = build_cache("full", model)
+    _decode(model, cache, ids)
+    assert attention_backends(cache) == {"sdpa": ids.shape[1] * len(cache.layers)}
+
+
+def test_a_scoring_selector_reads_its_probabilities_from_the_grouped_torch_backend():
+    model, ids = make_tiny("llama"), _ids(20)
+    cache = build_cache("h2o", model, budget=8, recent=2)
+    _decode(model, cache, ids)
+    ran = attention_backends(cache)
+    assert ran == {"torch": ids.shape[1] * len(cache.layers)}  # one query per step: the grouped form
+
+
+def test_a_registered_backend_is_chosen_and_gives_the_same_logits(reference_backend):
+    """A backend registered first serves every dense plan; the logits equal SDPA's to float rounding."""
+    model, ids = make_tiny("llama"), _ids()
+    ours = build_cache("full", model)
+    logits = _decode(model, ours, ids)
+    assert attention_backends(ours) == {"reference": ids.shape[1] * len(ours.layers)}
+    backends.BACKENDS[:] = [b for b in backends.BACKENDS if b.name != "reference"]
+    sdpa = build_cache("full", model)
+    torch.testing.assert_close(logits, _decode(model, sdpa, ids), atol=1e-5, rtol=1e-5)
+    assert attention_backends(sdpa) == {"sdpa": ids.shape[1] * len(sdpa.layers)}
+
+
+def test_a_plan_no_backend_serves_is_refused_naming_what_each_lacks(monkeypatch):
+    """With no backend for dense reads, the executor says, per backend, what is missing."""
+    monkeypatch.setattr(backends, "BACKENDS", [backends.Cpu()])
+    q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 5, 8)
+    from kvcompress.executor import Standalone
+
+    with pytest.raises(
+        Unserved, match=r"no attention backend serves a dense read .*cpu: reads compact forms"
+    ):
+        execute(Plan(Dense(k, k, None)), Call(Standalone(), q, 0.3, {}, "sdpa"))
+
+
+def test_the_installed_backend_decides_between_sdpa_and_eager():
+    from kvcompress.attention import set_backend
+
+    model, ids = make_tiny("llama"), _ids()
+    set_backend(model, "eager")
+    cache = build_cache("full", model)
+    _decode(model, cache, ids)
+    assert attention_backends(cache) == {"eager": ids.shape[1] * len(cache.layers)}
