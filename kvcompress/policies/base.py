@@ -35,10 +35,17 @@ class Policy:
     ``MAX_MEMORY_RATIO`` (bytes allowed over ``full``'s for selector state; a storage's own allowance adds
     to it, ``Storage.MAX_MEMORY_RATIO``) and ``evicts``: ``"never"``,
     ``"prefill"`` (only steps of several tokens) or ``"always"`` (decode steps too).
+
+    What a storage may ask of a selector is declared here too: ``heads_share_tokens`` (every KV head keeps
+    the same tokens, so one latent per token can serve them all) and ``reads_pages`` (the selector fetches
+    pages by score, what a cold tier serves); ``refuses_storage`` names the storages a selector cannot
+    run over. ``refusal()`` is the one place both sides' refusals meet.
     """
 
     layer_class: ClassVar[type] = PolicyLayer
     evicts: ClassVar[str] = "never"
+    heads_share_tokens: ClassVar[bool] = False
+    reads_pages: ClassVar[bool] = False
     TEST_PARAMS: ClassVar[dict] = {}
     FUZZ: ClassVar[dict | list] = {}
     MAX_MEMORY_RATIO: ClassVar[float] = 1.05
@@ -62,10 +69,19 @@ class Policy:
         """The selector's name (a storage preset such as ``quant`` is the ``full`` selector)."""
         return self.name
 
+    def refuses_storage(self, storage) -> str | None:
+        """Why this selector cannot run over ``storage`` (naming what to use instead), or None."""
+        return None
+
+    def refusal(self) -> str | None:
+        """The declared reason this selector and its storage cannot work together (the selector's side
+        first, then the storage's ``refuses``), naming the fix; None when they can."""
+        return self.refuses_storage(self.storage) or self.storage.refuses(self)
+
     def check(self, spec: ModelSpec) -> None:
-        """Validate fields against the model, and the selector against its storage."""
+        """Validate fields against the model, and the selector against its storage (``refusal``)."""
         self.storage.check(spec)
-        reason = self.storage.refuses(self)
+        reason = self.refusal()
         if reason:
             raise ValueError(f"{self.selector} over storage={self.storage.name} cannot work: {reason}")
 

@@ -53,12 +53,14 @@ class TieredPolicy(Policy):
     def name(self) -> str:
         return "tiered"
 
+    def refuses_storage(self, storage) -> str | None:
+        if storage.name == "offload":
+            return None
+        why = "tiered fetches pages from the cold tier of an offload storage"
+        return f"{why}; use storage=offload (tier host or disk)"
+
     def check(self, spec) -> None:
-        if self.storage.name != "offload":
-            raise ValueError(
-                f"tiered over storage={self.storage.name} cannot work: tiered fetches pages from the cold "
-                "tier of an offload storage; use storage=offload (tier host or disk)"
-            )
+        super().check(spec)  # the refusal first: only an offload storage has lru_pages
         if self.top_k_blocks > self.storage.lru_pages:
             raise ValueError(
                 f"tiered.top_k_blocks={self.top_k_blocks} must be <= storage.lru_pages="
@@ -68,7 +70,6 @@ class TieredPolicy(Policy):
             raise ValueError(
                 f"tiered.top_k_blocks={self.top_k_blocks} must be >= sink_blocks={self.sink_blocks}"
             )
-        super().check(spec)
 
     def covering(self, n_tokens: int) -> TieredPolicy:
         pages = n_tokens // self.storage.block_size + 2

@@ -87,8 +87,7 @@ class LowRankChecks:
                 "fused_attention='auto' or 'off'"
             )
         shared = self.basis == "joint" or (self.basis == "group" and self.group_size > 1)
-        uniform = getattr(selector, "heads_share_tokens", False)
-        if shared and selector.evicts != "never" and not uniform:
+        if shared and selector.evicts != "never" and not selector.heads_share_tokens:
             return (
                 f"{selector.selector} may keep different tokens in each KV head, but low_rank basis="
                 f"{self.basis} caches one latent per token for several heads; use basis=head with it"

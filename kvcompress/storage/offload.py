@@ -197,7 +197,7 @@ class OffloadStorage(Storage):
             raise ValueError(f"offload.dir={self.dir!r} must be a folder path (a string) or null")
 
     def refuses(self, selector, kinds=KINDS) -> str | None:
-        if getattr(selector, "reads_pages", False):
+        if selector.reads_pages:
             return None
         return (
             "offload keeps cold pages off the device and serves only a selector that fetches pages by "
