@@ -13,8 +13,8 @@ one loop over the bytes (C++/OpenMP on CPU, Triton on GPU), compiled once for ev
 shapes). Where compile is unavailable the eager form runs the same sums through ``matmul`` (no
 broadcast temporaries); the two agree to float32 rounding. On a CPU, a hand-written kernel
 (``kvcompress.kernels``, ``fused_attention: kernel``, what ``auto`` picks there when it builds) runs the
-same sums in blocks of 16 tokens from the bytes: the only form measured faster than a float32 cache on a
-CPU. Which form runs is the attention backends' choice (``kvcompress.backends``: ``cpu`` for the kernel,
+same sums in blocks of 16 tokens from the bytes (the forms' speeds: experiments/fused/README.md). Which
+form runs is the attention backends' choice (``kvcompress.backends``: ``cpu`` for the kernel,
 ``torch`` for the tensor forms).
 Liu et al., KIVI, arXiv 2402.02750.
 """

@@ -5,7 +5,7 @@
 the zero points into one constant; for every token the value scales fold into its probability. Unlike the
 ``torch.compile`` form of the same sums (``kvcompress.fused_quant``), the loops unpack 16 tokens at a time
 into a small buffer that stays in L1 and share it between the GQA group's query heads (no float copy of
-the cache, no horizontal sum per token), which is what makes it faster than a float32 cache on a CPU.
+the cache, no horizontal sum per token); its speed against a float32 cache is in experiments/fused.
 Two builds of every kernel sit side by side under torch's extension folder: ``native`` (``-march=native``:
 AVX-512 where the CPU has it) and ``portable`` (the compiler's baseline for the architecture: SSE2 on
 x86-64, NEON on aarch64). ``KVCOMPRESS_CPU_ISA`` picks the one callers use (``native`` by default); every

@@ -140,7 +140,7 @@ class Slots:
 def gather_tokens(x: torch.Tensor, idx: torch.Tensor, extra: int = 0) -> torch.Tensor:
     """Tokens ``idx`` (B, 1 or H, k) of ``x`` (B, H, T, D) as a new contiguous (B, H, k + extra, D).
 
-    One ``index_select`` over rows of D (several times faster than ``gather`` on CPU); the ``extra``
+    One ``index_select`` over rows of D (rather than an element-wise ``gather``); the ``extra``
     trailing slots hold copies of token 0, for the caller to overwrite.
     """
     b, h, t, d = x.shape
