@@ -38,15 +38,19 @@ def _dense_only(plan: Plan) -> str | None:
     return None if plan.form == "dense" else f"reads dense key/value only, not {plan.form}"
 
 
-class Sdpa(Backend):
-    """``torch.nn.functional.scaled_dot_product_attention`` as transformers calls it."""
-
-    name = "sdpa"
+class ModelKernel(Backend):
+    """One of the model's own kernels over dense key/value: the one the model was installed with."""
 
     def missing(self, plan, call):
         if call.configured != self.name:
             return f"the model was installed with {call.configured!r}"
         return _dense_only(plan)
+
+
+class Sdpa(ModelKernel):
+    """``torch.nn.functional.scaled_dot_product_attention`` as transformers calls it."""
+
+    name = "sdpa"
 
     def run(self, plan, call):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -58,15 +62,10 @@ class Sdpa(Backend):
         return out, None
 
 
-class Eager(Backend):
+class Eager(ModelKernel):
     """The model's own eager attention function (its soft-capping, sinks, dropout)."""
 
     name = "eager"
-
-    def missing(self, plan, call):
-        if call.configured != self.name:
-            return f"the model was installed with {call.configured!r}"
-        return _dense_only(plan)
 
     def run(self, plan, call):
         r, fn = plan.read, model_eager(call.module)
