@@ -9,7 +9,6 @@ new field is validated and tested without a hand-written check or a row in a tab
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 _KEY = "kvc_check"
 
@@ -99,15 +98,17 @@ def bad_values(cls) -> list[tuple[str, object]]:
     return out
 
 
-def renamed(obj, old: str, new: str, convert=lambda v: v) -> None:
-    """Map a deprecated field ``old`` (set, not None) onto ``new`` with a warning naming the new spelling."""
-    value = getattr(obj, old)
-    if value is None:
-        return
-    warnings.warn(
-        f"{obj.name}.{old} is deprecated and will be removed; use {new} instead ({new}={convert(value)!r})",
-        DeprecationWarning,
-        stacklevel=4,
-    )
-    setattr(obj, new, convert(value))
-    setattr(obj, old, None)
+# Fields removed in 0.x, each with what replaced it: a config that still sets one is refused naming the new
+# field (one word, one meaning: ``window`` is the sliding window's kept tokens only).
+RENAMED = {
+    "window": "observation_window (the prompt queries whose attention is scored)",
+    "keep_ratio": "compression_ratio (the fraction removed: 1 - keep_ratio)",
+}
+
+
+def refuse_renamed(name: str, fields: set[str], given) -> None:
+    """Raise for a removed field in ``given`` (keyword names) that ``fields`` (the class's own) lacks."""
+    old = [k for k in given if k in RENAMED and k not in fields]
+    if old:
+        uses = "; ".join(f"{name}.{k} was removed: use {RENAMED[k]}" for k in old)
+        raise ValueError(uses)

@@ -14,6 +14,8 @@ import importlib
 import os
 from pathlib import Path
 
+from kvcompress.fields import refuse_renamed
+
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 ENV = "KVCOMPRESS_CONF_PATH"
 
@@ -98,6 +100,7 @@ def from_name(group: str, name: str, params: dict, always: tuple = ()):
     """Instantiate ``group/name`` with field overrides ``params`` (each must be a field of its YAML)."""
     cfg = load(group, name)
     unknown = set(params) - set(cfg) - set(always)
+    refuse_renamed(name, set(cfg), sorted(unknown))  # a removed field: say what replaced it
     if unknown:
         raise ValueError(
             f"{group} {name!r} has no field(s) {sorted(unknown)}; fields: {sorted(set(cfg) - {'_target_'})}"

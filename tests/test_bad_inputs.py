@@ -73,7 +73,7 @@ BAD = [
     ("block size", lambda m, p: make_policy("block_sparse", block_size=0), "block_sparse.block_size=0"),
     (
         "block_evict budget below protected blocks",
-        lambda m, p: make_policy("block_evict", budget=96, keep_ratio=None),
+        lambda m, p: make_policy("block_evict", budget=96),
         r"block_evict.budget=96 is below 128 = \(sink blocks 1 \+ recent blocks 2 \+ 1\) x block_size=32",
     ),
     (
@@ -82,9 +82,9 @@ BAD = [
         "block_evict: set exactly one of budget .* got budget=512, compression_ratio=0.5",
     ),
     (
-        "block_evict keep_ratio 0",
-        lambda m, p: make_policy("block_evict", keep_ratio=0),
-        r"block_evict.keep_ratio=0 must be in \(0, 1\]",
+        "block_evict keep_ratio (removed)",
+        lambda m, p: make_policy("block_evict", keep_ratio=0.5),
+        r"block_evict.keep_ratio was removed: use compression_ratio",
     ),
     (
         "block_evict block_size 0",

@@ -54,15 +54,21 @@ def test_dataclass_defaults_equal_the_yaml(where):
 
 
 @pytest.mark.parametrize(
-    "name,old,new,expect",
+    "name,old,new",
     [
-        ("h2o", {"window": 8}, "observation_window", 8),
-        ("snapkv", {"window": 8}, "observation_window", 8),
-        ("block_evict", {"window": 8}, "observation_window", 8),
-        ("block_evict", {"keep_ratio": 0.25}, "compression_ratio", 0.75),
+        ("h2o", {"window": 8}, "observation_window"),
+        ("snapkv", {"window": 8}, "observation_window"),
+        ("block_evict", {"window": 8}, "observation_window"),
+        ("block_evict", {"keep_ratio": 0.25}, "compression_ratio"),
+        ("pyramidkv", {"keep_ratio": 0.25}, "compression_ratio"),
     ],
 )
-def test_old_spellings_work_with_a_warning_naming_the_new_one(name, old, new, expect):
-    with pytest.warns(DeprecationWarning, match=f"use {new} instead"):
-        policy = make_policy(name, **old)
-    assert getattr(policy, new) == expect and all(getattr(policy, k) is None for k in old)
+def test_removed_spellings_are_refused_naming_the_new_field(name, old, new):
+    (field,) = old
+    with pytest.raises(ValueError, match=rf"^{name}\.{field} was removed: use {new} "):
+        make_policy(name, **old)
+
+
+def test_a_field_of_that_name_is_still_its_own():
+    """``window`` is the sliding window's own field (its kept tokens): never refused there."""
+    assert make_policy("sliding_window", window=64).window == 64

@@ -68,7 +68,7 @@ def test_block_evict_keeps_whole_blocks_under_budget_close_to_full(real_model, e
     ids = essay_ids[:, :96]
     full_cache = build_cache("full", model)
     full = decode_perplexity(model, ids, full_cache, progress=False)
-    cache = build_cache("block_evict", model, block_size=8, budget=48, keep_ratio=None, recent=8)
+    cache = build_cache("block_evict", model, block_size=8, budget=48, recent=8)
     evict = decode_perplexity(model, ids, cache, progress=False)
     stats = cache.stats()
     # 95 tokens seen: sink block 0 + recent blocks 10, 11 (80..94: 15 tokens) + 3 scored blocks = 47

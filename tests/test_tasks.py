@@ -90,7 +90,8 @@ def test_compressed_cases_keep_fewer_tokens(llama, char_tokenizer, tmp_path):
 
     cfg = niah_cfg(tmp_path, question_in_prompt=True, lengths=[120], depths=[50])
     full = niah.run(llama, char_tokenizer, build_cache("full", llama).policy, cfg)["cases"][0]
-    snap = niah.run(llama, char_tokenizer, SnapKVPolicy(compression_ratio=0.5, window=8), cfg)["cases"][0]
+    snap_policy = SnapKVPolicy(compression_ratio=0.5, observation_window=8)
+    snap = niah.run(llama, char_tokenizer, snap_policy, cfg)["cases"][0]
     assert snap["prompt_tokens"] == full["prompt_tokens"]
     assert snap["tokens_stored_mean"] < 0.55 * full["tokens_stored_mean"]
     assert snap["cache_bytes"] < 0.55 * full["cache_bytes"]

@@ -32,6 +32,7 @@ from kvcompress.context_pass import needs_context_pass, prefill
 from kvcompress.eval.batching import check_batch_size, equal_length_groups
 from kvcompress.eval.calibration_guard import CalibrationGuard
 from kvcompress.eval.streamed import Scores, score_requests, stream
+from kvcompress.fields import refuse_renamed
 from kvcompress.metrics.compression import (
     attention_backends,
     flag_uncompressed,
@@ -77,6 +78,7 @@ def split_policy_args(policy, kwargs: dict) -> tuple[Policy, dict]:
     params, rest, hf = {}, {}, hf_arguments()
     for key, value in kwargs.items():
         name = key.removeprefix(POLICY_PREFIX)
+        refuse_renamed(policy, fields, [] if key.startswith(HF_PREFIX) else [name])  # a removed field
         if key.startswith(HF_PREFIX):
             rest[key.removeprefix(HF_PREFIX)] = value
         elif key.startswith(POLICY_PREFIX) and name not in fields:

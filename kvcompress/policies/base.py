@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from kvcompress.fields import Choice, validate
+from kvcompress.fields import Choice, refuse_renamed, validate
 from kvcompress.policies.layer import PolicyLayer
 from kvcompress.spec import ModelSpec, Shape
 from kvcompress.storage.buffers import storage_bytes
@@ -53,6 +53,12 @@ class Policy:
 
     storage: object = field(default=None, kw_only=True)
     apply_to: str = Choice("full_attention", APPLY_TO, kw_only=True)
+
+    def __new__(cls, *args, **kwargs):
+        """Refuse a removed field by name, saying what replaced it, before the dataclass sees it."""
+        self = super().__new__(cls)
+        refuse_renamed(self.name, {f.name for f in dataclasses.fields(cls)}, kwargs)
+        return self
 
     def __post_init__(self):
         validate(self, self.name)

@@ -11,7 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from kvcompress.fields import Float, Int, renamed
+from kvcompress.fields import Float, Int
 from kvcompress.policies.base import Policy, Shape
 from kvcompress.policies.block_evict_layer import BlockEvictLayer, _ceil_div
 from kvcompress.policies.eviction import check_one_budget
@@ -42,7 +42,6 @@ class BlockEvictPolicy(Policy):
         sink_tokens: the first tokens; the blocks holding them are never evicted.
         recent: the newest tokens; the blocks holding them (and always the newest block) are never evicted.
         observation_window: prompt queries of each prefill step whose attention is added to the scores.
-        keep_ratio, window: deprecated spellings (``keep_ratio`` = 1 - compression_ratio).
     """
 
     layer_class = BlockEvictLayer
@@ -64,14 +63,10 @@ class BlockEvictPolicy(Policy):
     sink_tokens: int = Int(4, low=0)
     recent: int = Int(64, low=0)
     observation_window: int = Int(32, low=1)
-    keep_ratio: float | None = Float(None, 0.0, 1.0, low_open=True, null=True)
-    window: int | None = Int(None, low=1, null=True)
 
     def __post_init__(self):
         super().__post_init__()
-        renamed(self, "keep_ratio", "compression_ratio", lambda keep: 1.0 - keep)
-        renamed(self, "window", "observation_window")
-        check_one_budget(self)  # after the renames: keep_ratio may have set the ratio
+        check_one_budget(self)
         if self.budget is not None and self.budget < self.min_budget:
             raise ValueError(
                 f"block_evict.budget={self.budget} is below {self.min_budget} = (sink blocks "

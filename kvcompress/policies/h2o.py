@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.fields import Int, renamed
+from kvcompress.fields import Int
 from kvcompress.policies.base import Shape
 from kvcompress.policies.eviction import EvictionLayer, EvictionPolicy
 
@@ -68,7 +68,6 @@ class H2OPolicy(EvictionPolicy):
         budget / compression_ratio: see ``EvictionPolicy``.
         recent: newest tokens always kept; None gives half of the kept tokens, the paper's equal split.
         observation_window: prompt queries whose attention seeds the accumulator at prefill.
-        window: deprecated spelling of ``observation_window``.
     """
 
     layer_class = H2OLayer
@@ -79,11 +78,9 @@ class H2OPolicy(EvictionPolicy):
 
     recent: int | None = Int(None, low=0, null=True)
     observation_window: int = Int(32, low=1)
-    window: int | None = Int(None, low=1, null=True)
 
     def __post_init__(self):
         super().__post_init__()
-        renamed(self, "window", "observation_window")
         if self.budget is not None and self.recent is not None and self.recent > self.budget:
             raise ValueError(
                 f"h2o.budget={self.budget} is below recent={self.recent}: the recent window is always "

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvcompress.fields import Choice, Int, renamed
+from kvcompress.fields import Choice, Int
 from kvcompress.policies.base import Shape
 from kvcompress.policies.eviction import EvictionLayer, EvictionPolicy
 
@@ -56,7 +56,7 @@ class SnapKVPolicy(EvictionPolicy):
     queries over the prefix, pool it along the sequence (``kernel_size``, ``pooling``) so neighbours of a
     hit survive with it, keep the top-k per KV head plus the window itself. Decode tokens are appended;
     with ``slack`` set, the cache is re-compressed (over the last ``observation_window`` queries) whenever
-    it exceeds ``budget + slack``. ``window`` is the deprecated spelling of ``observation_window``.
+    it exceeds ``budget + slack``.
     """
 
     layer_class = SnapKVLayer
@@ -75,11 +75,9 @@ class SnapKVPolicy(EvictionPolicy):
     kernel_size: int = Int(5, low=1)
     pooling: str = Choice("avg", POOLINGS)
     slack: int | None = Int(None, low=0, null=True)
-    window: int | None = Int(None, low=1, null=True)
 
     def __post_init__(self):
         super().__post_init__()
-        renamed(self, "window", "observation_window")
         if self.kernel_size % 2 == 0:
             raise ValueError(f"snapkv.kernel_size={self.kernel_size} must be an odd integer >= 1")
 

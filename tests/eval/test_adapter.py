@@ -170,3 +170,6 @@ def test_a_name_both_a_field_and_an_hf_argument_needs_its_prefix():
     assert rest == {"tokenizer": "tok"}
     with pytest.raises(ValueError, match=r"policy.windw: policy 'sliding_window' has no field 'windw'"):
         split_policy_args("sliding_window", {"policy.windw": 3})
+    for key in ("window", "policy.window"):  # a removed field: refused naming its replacement, not hf's
+        with pytest.raises(ValueError, match=r"h2o.window was removed: use observation_window"):
+            split_policy_args("h2o", {key: 8})

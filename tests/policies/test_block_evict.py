@@ -51,7 +51,7 @@ def span(*blocks, bs=4, n=None) -> list:
 
 
 def test_prefill_keeps_the_highest_scoring_blocks_per_row_and_head():
-    layer = BlockEvictPolicy(block_size=4, budget=20, keep_ratio=None, sink_tokens=2, recent=4, window=2)
+    layer = BlockEvictPolicy(block_size=4, budget=20, sink_tokens=2, recent=4, observation_window=2)
     layer = layer.layer(0, SPEC)
     favour = [[[2, 5, 7], [1, 3, 8]], [[6, 7, 8], [4, 2, 1]]]  # row, KV head -> best blocks
     q = torch.zeros(2, 4, 2, D)
@@ -66,9 +66,9 @@ def test_prefill_keeps_the_highest_scoring_blocks_per_row_and_head():
     assert layer.keys.shape == (2, 2, 20, D) and layer.block_scores.shape == (2, 2, 5)
 
 
-@pytest.mark.parametrize("kwargs", [{"budget": 40, "keep_ratio": None}, {"keep_ratio": 0.5}])
+@pytest.mark.parametrize("kwargs", [{"budget": 40}, {"compression_ratio": 0.5}])
 def test_decode_evicts_whole_blocks_one_at_a_time_never_sinks_or_recent(kwargs):
-    policy = BlockEvictPolicy(block_size=8, sink_tokens=3, recent=10, window=4, **kwargs)
+    policy = BlockEvictPolicy(block_size=8, sink_tokens=3, recent=10, observation_window=4, **kwargs)
     layer = policy.layer(0, SPEC)
     g = torch.Generator().manual_seed(1)
     step(layer, *tagged(1, 0, 50), torch.randn(1, 4, 4, D, generator=g))
@@ -89,7 +89,7 @@ def test_decode_evicts_whole_blocks_one_at_a_time_never_sinks_or_recent(kwargs):
 
 def test_memory_bytes_is_what_the_budget_predicts(llama):
     ids = torch.randint(2, 95, (1, 100), generator=torch.Generator().manual_seed(0))
-    policy = BlockEvictPolicy(block_size=8, budget=40, keep_ratio=None, sink_tokens=2, recent=8)
+    policy = BlockEvictPolicy(block_size=8, budget=40, sink_tokens=2, recent=8)
     cache = build_cache(policy, llama)
     stream_logits(llama, ids, cache, chunk=100)
     # protected: sink block 0 (8 tokens), recent blocks 11 and 12 (88..99: 12 tokens); (40 - 20) // 8 = 2
@@ -102,15 +102,15 @@ def test_memory_bytes_is_what_the_budget_predicts(llama):
 
 
 @pytest.mark.parametrize("chunk", [1, 7])
-def test_keep_ratio_one_reproduces_full_logits(chunk, llama, tokens):
+def test_covering_ratio_reproduces_full_logits(chunk, llama, tokens):
     ref = stream_logits(llama, tokens, DynamicCache(config=llama.config), chunk=chunk)
-    policy = BlockEvictPolicy(block_size=4, keep_ratio=0.3, sink_tokens=1, recent=2).covering(48)
+    policy = BlockEvictPolicy(block_size=4, compression_ratio=0.7, sink_tokens=1, recent=2).covering(48)
     got = stream_logits(llama, tokens, build_cache(policy, llama), chunk=chunk)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_left_padded_rows_keep_what_they_keep_alone():
-    policy = BlockEvictPolicy(block_size=4, budget=16, keep_ratio=None, sink_tokens=1, recent=3, window=3)
+    policy = BlockEvictPolicy(block_size=4, budget=16, sink_tokens=1, recent=3, observation_window=3)
     pads, n0 = [0, 9], 35
     g = torch.Generator().manual_seed(2)
     steps = [(*tagged(2, 0, n0, seed=1), torch.randn(2, 4, 3, D, generator=g))]
@@ -138,15 +138,14 @@ def test_left_padded_rows_keep_what_they_keep_alone():
     "kwargs,match",
     [
         ({"block_size": 0}, r"block_evict.block_size=0 must be an integer >= 1"),
-        ({"keep_ratio": 0.0}, r"block_evict.keep_ratio=0.0 must be in \(0, 1\]"),
-        ({"keep_ratio": 1.5}, r"block_evict.keep_ratio=1.5 must be in \(0, 1\]"),
+        ({"keep_ratio": 0.5}, r"block_evict.keep_ratio was removed: use compression_ratio \(the fraction"),
+        ({"window": 4}, r"block_evict.window was removed: use observation_window"),
         ({"budget": 256, "compression_ratio": 0.5}, "exactly one of budget .* or compression_ratio"),
-        ({"budget": 256, "keep_ratio": 0.5}, "exactly one of budget .* or compression_ratio"),
-        ({"budget": 100, "keep_ratio": None}, r"block_evict.budget=100 is below 128 = \(sink blocks 1 \+ "),
-        ({"budget": 64.5, "keep_ratio": None}, "block_evict.budget=64.5 must be an integer"),
+        ({"budget": 100}, r"block_evict.budget=100 is below 128 = \(sink blocks 1 \+ "),
+        ({"budget": 64.5}, "block_evict.budget=64.5 must be an integer"),
         ({"sink_tokens": -1}, "block_evict.sink_tokens=-1 must be an integer >= 0"),
         ({"recent": -2}, "block_evict.recent=-2 must be an integer >= 0"),
-        ({"window": 0}, "block_evict.window=0 must be an integer >= 1"),
+        ({"observation_window": 0}, "block_evict.observation_window=0 must be an integer >= 1"),
     ],
 )
 def test_rejects_bad_fields(kwargs, match):

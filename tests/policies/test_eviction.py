@@ -16,7 +16,9 @@ def _kept_positions(layer, full_layer) -> torch.Tensor:
     return dist.argmin(-1)
 
 
-@pytest.mark.parametrize("policy", [H2OPolicy(budget=10, recent=3), SnapKVPolicy(budget=10, window=4)])
+@pytest.mark.parametrize(
+    "policy", [H2OPolicy(budget=10, recent=3), SnapKVPolicy(budget=10, observation_window=4)]
+)
 def test_keeps_exactly_budget_tokens_chosen_per_head_and_row(policy, llama):
     ids = torch.randint(2, 95, (2, 40), generator=torch.Generator().manual_seed(7))
     cache, full = build_cache(policy, llama), build_cache("full", llama)
@@ -53,7 +55,7 @@ def test_ratio_removes_that_fraction_of_tokens_seen_at_every_step(cls, llama, to
 
 
 def test_snapkv_compresses_prefill_and_recompresses_decode_above_slack(llama, tokens):
-    cache = build_cache(SnapKVPolicy(budget=8, window=4, slack=3), llama)
+    cache = build_cache(SnapKVPolicy(budget=8, observation_window=4, slack=3), llama)
     stored = []
     with torch.inference_mode():
         llama(tokens[:, :20], cache=cache, use_cache=True)
@@ -66,7 +68,7 @@ def test_snapkv_compresses_prefill_and_recompresses_decode_above_slack(llama, to
 
 
 def test_snapkv_without_slack_only_appends_during_decode(llama, tokens):
-    cache = build_cache(SnapKVPolicy(compression_ratio=0.5, window=4), llama)
+    cache = build_cache(SnapKVPolicy(compression_ratio=0.5, observation_window=4), llama)
     stream_logits(llama, tokens[:, :30], cache, chunk=30)
     stream_logits(llama, tokens[:, 30:], cache, chunk=1)
     assert [s["tokens_stored"] for s in cache.stats()] == [15 + 18] * 3
@@ -93,7 +95,8 @@ def test_padding_is_never_kept_over_real_tokens(llama):
         ({"budget": 2.5}, "h2o.budget=2.5"),
         ({"compression_ratio": 1.0}, r"h2o.compression_ratio=1.0 must be in \[0, 1\)"),
         ({"budget": 8, "recent": -1}, "h2o.recent=-1"),
-        ({"budget": 8, "window": 0}, "h2o.window=0"),
+        ({"budget": 8, "observation_window": 0}, "h2o.observation_window=0"),
+        ({"budget": 8, "window": 4}, "h2o.window was removed: use observation_window"),
     ],
 )
 def test_h2o_rejects_bad_fields(kwargs, match):

@@ -45,7 +45,7 @@ def kept(layer) -> list:
 
 
 def test_snapkv_keeps_pooled_hits_and_the_window_per_head_and_row():
-    layer = SnapKVPolicy(budget=7, window=4, kernel_size=3, pooling="avg").layer(0, SPEC)
+    layer = SnapKVPolicy(budget=7, observation_window=4, kernel_size=3, pooling="avg").layer(0, SPEC)
     q = queries([[{2: 10.0}, {9: 10.0}], [{5: 10.0}, {5: 10.0}]]).expand(-1, -1, 4, -1)
     step(layer, 0, 16, q)
     window = [12, 13, 14, 15]
@@ -54,14 +54,14 @@ def test_snapkv_keeps_pooled_hits_and_the_window_per_head_and_row():
 
 
 def test_snapkv_without_pooling_takes_the_top_votes():
-    layer = SnapKVPolicy(budget=6, window=4, kernel_size=1).layer(0, SPEC)
+    layer = SnapKVPolicy(budget=6, observation_window=4, kernel_size=1).layer(0, SPEC)
     q = queries([[{2: 10.0, 7: 8.0, 8: 1.0}, {0: 9.0, 11: 9.5}]]).expand(-1, -1, 4, -1)
     step(layer, 0, 16, q)
     assert kept(layer) == [[[2, 7, 12, 13, 14, 15], [0, 11, 12, 13, 14, 15]]]
 
 
 def test_h2o_accumulates_over_steps_and_protects_the_recent_window():
-    layer = H2OPolicy(budget=5, recent=2, window=2).layer(0, SPEC)
+    layer = H2OPolicy(budget=5, recent=2, observation_window=2).layer(0, SPEC)
     prefill = queries([[{3: 9.0, 1: 7.0, 6: 5.0}, {0: 9.0, 4: 7.0, 5: 5.0}]]).expand(-1, -1, 2, -1)
     step(layer, 0, 10, prefill)  # heavy hitters of the last two prompt queries + tokens 8, 9
     assert kept(layer) == [[[1, 3, 6, 8, 9], [0, 4, 5, 8, 9]]]
@@ -89,7 +89,7 @@ def test_h2o_decode_drop_is_selects_choice_ties_included():
     qs = torch.randn(40, 1, 2, 1, D, generator=gen)
     runs, fast = {}, []
     for name in ("fast", "select"):
-        layer = H2OPolicy(budget=150, recent=20, window=2).layer(0, SPEC)
+        layer = H2OPolicy(budget=150, recent=20, observation_window=2).layer(0, SPEC)
         if name == "select":
             layer._drop_lowest = lambda protected: False
         else:

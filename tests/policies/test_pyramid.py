@@ -37,7 +37,7 @@ def test_pyramid_builds_a_schedule_of_the_inner_policy():
 def test_unequal_layers_stay_correct_in_chunked_prefill(llama, tokens):
     """After compression every layer holds a different number of tokens; a chunk of 6 new tokens must
     then give the same logits as feeding them one by one (one shared mask would misalign layers)."""
-    inner = SnapKVPolicy(budget=1, window=4)
+    inner = SnapKVPolicy(budget=1, observation_window=4)
     policy = PyramidKVPolicy(policy=inner, budget=10, beta=3)
     outs, stored = [], []
     for chunk in (6, 1):
