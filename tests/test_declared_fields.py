@@ -12,7 +12,7 @@ from conftest import POLICY_NAMES, STORAGE_NAMES
 
 from kvcompress import make_policy
 from kvcompress.fields import bad_values
-from kvcompress.registry import import_target, load, make_storage
+from kvcompress.registry import from_name, import_target, load, make_storage
 
 CLASSES = {f"policy/{n}": load("policy", n)["_target_"] for n in POLICY_NAMES}
 CLASSES |= {f"storage/{n}": load("storage", n)["_target_"] for n in STORAGE_NAMES}
@@ -70,5 +70,8 @@ def test_removed_spellings_are_refused_naming_the_new_field(name, old, new):
 
 
 def test_a_field_of_that_name_is_still_its_own():
-    """``window`` is the sliding window's own field (its kept tokens): never refused there."""
+    """``window`` is the sliding window's own field (its kept tokens): never refused there; a storage has no
+    removed fields, so an unknown ``window`` there is just unknown."""
     assert make_policy("sliding_window", window=64).window == 64
+    with pytest.raises(ValueError, match=r"storage 'quant' has no field\(s\) \['window'\]"):
+        from_name("storage", "quant", {"window": 4})
