@@ -11,7 +11,8 @@ import torch
 pytest.importorskip("lm_eval")
 from kvcompress.eval.adapter import KVCompressLM  # noqa: E402
 
-SNAP = {"policy": "snapkv", "budget": 12, "compression_ratio": None, "window": 4, "kernel_size": 3}
+SNAP = {"policy": "snapkv", "budget": 12, "compression_ratio": None, "observation_window": 4}
+SNAP["kernel_size"] = 3
 
 
 def _lm(checkpoint, **args):
