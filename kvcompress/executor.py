@@ -54,7 +54,8 @@ def _detail(plan: Plan) -> str:
 
 
 class Standalone(torch.nn.Module):
-    """The attention module of a layer driven by hand: plain causal softmax attention."""
+    """The attention module for a plan run by hand (``execute(plan, Call(Standalone(), ...))``): plain causal
+    softmax attention, no soft-capping, sinks or dropout."""
 
     is_causal = True
 
@@ -62,13 +63,3 @@ class Standalone(torch.nn.Module):
         super().__init__()
         self.config = type("Config", (), {"attn_logit_softcapping": None})()
         self.eval()
-
-
-def attend(layer, query, key, value, scaling: float, backend: str = "sdpa") -> torch.Tensor:
-    """One step of ``layer`` driven by hand, as the attention hook runs it: ``key``/``value`` (B, H_kv, T, D)
-    are what ``layer.update`` returned, query (B, H, q, D); the output is (B, q, H, D)."""
-    call = Call(Standalone(), query, scaling, {}, backend)
-    plan = layer.plan(query, key, value)
-    out, probs, ran = execute(plan, call)
-    layer.attended(plan, call, out, probs, ran)
-    return out

@@ -1,8 +1,9 @@
-"""The one builder of causal masks: the last ``q`` queries of a sequence over its ``t`` keys.
+"""The causal rule over contiguous positions: the last ``q`` queries of a sequence over its ``t`` keys.
 
-Every mask kvcompress builds (the reference eager attention, score windows, KVzip's reconstruction
-scores, a layer's per-position masks) starts from this rule: a query at position ``t - q + i`` reads keys
-at positions up to its own.
+The reference eager attention, score windows (``fused.window_scores``) and KVzip's reconstruction scores
+build their masks here: a query at position ``t - q + i`` reads keys at positions up to its own. A policy
+layer's mask compares tracked absolute positions instead (stored tokens need not be contiguous after
+eviction: ``PolicyLayer.attention_mask``).
 """
 
 from __future__ import annotations

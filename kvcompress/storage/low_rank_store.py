@@ -107,7 +107,7 @@ class LowRankStore(ResidualStore):
     def compact_read(self) -> Latent:
         """Logits and value sums from the latents, for a backend that attends by parts."""
         res = self.residual[self.kinds[0]]
-        return Latent(self.key_logits, self.value_output, res.shape[1], res.device)
+        return Latent(self.key_logits, self.value_output, res.shape[1])
 
     def value_output(self, probs: torch.Tensor) -> torch.Tensor:
         """``sum_t p_ht v_t`` (B, H_kv, n, D) float32 for probs (B, G, g * n, T): the encoded tokens' in

@@ -53,7 +53,7 @@ class SplitStore(Store):
         """Keys' logits from the key store's codes (``LowRankStore.key_logits``), values read dense."""
         values = self.value_store.read()[1]  # (B, H_kv, T, D)
         weigh = partial(fused_low_rank.dense_values, values=values)
-        return Latent(self.key_store.key_logits, weigh, values.shape[1], values.device)
+        return Latent(self.key_store.key_logits, weigh, values.shape[1])
 
     def flush(self, valid=None) -> None:
         for store in self._both():
