@@ -1,10 +1,12 @@
 """Attention backends: each declares which plans it serves (read form, device, dtype, probabilities) and
 runs them. ``kvcompress.executor`` takes the first in ``BACKENDS`` that serves a plan.
 
-- ``cpu``: the C++ kernels (``kvcompress.kernels``): KIVI sums from packed codes, Quest pages read in place,
-  low-rank latents; float32 CPU tensors where the kernel built.
+- ``cpu``: the C++ kernels (``kvcompress.kernels``): KIVI sums from packed codes and Quest pages read in
+  place, on CPU tensors where the kernel built (pages: float32 keys).
 - ``torch``: attention written in torch ops: the grouped decode form that also returns the probabilities
-  score-based selectors read (``fused.decode_attention``), KIVI's tensor and compiled forms, latents.
+  score-based selectors read (``fused.decode_attention``), KIVI's tensor and compiled forms, and latents
+  (softmax over the store's own ``key_logits``, then its ``value_output``: those parts pick their own
+  C++ kernels on a CPU, ``kvcompress.fused_low_rank``).
 - ``sdpa`` / ``eager``: the model's own kernels over dense key/value, whichever the model was installed
   with (``attention.set_backend``); eager is the model's own eager function (soft-capping, sinks).
 
@@ -157,12 +159,12 @@ class Cpu(Backend):
     """The C++ kernels of ``kvcompress.kernels`` on float32 CPU tensors."""
 
     name = "cpu"
-    KERNEL = {"kivi": "quant_attention", "pages": "page_attention", "latent": "latent_values"}
+    KERNEL = {"kivi": "quant_attention", "pages": "page_attention"}
 
     def missing(self, plan, call):
         q = call.query
-        if plan.form == "dense":
-            return "reads compact forms only (codes, pages, latents)"
+        if plan.form not in self.KERNEL:
+            return f"reads KIVI codes and Quest pages only, not {plan.form}"
         if q.device.type != "cpu":
             return f"CPU tensors only, not {q.device.type}"
         why = _plain_decode(plan, call)
@@ -181,9 +183,7 @@ class Cpu(Backend):
         r, q = plan.read, call.query
         if plan.form == "kivi":
             return fused_quant.attend(q, *_kivi_args(r, call.scaling), "kernel"), None
-        if plan.form == "pages":
-            return fused_pages.attend(q, call.scaling, r.key, r.value, r.pages, r.block, r.total), None
-        return attend_by_parts(q, call.scaling, r.kv_heads, r.key_logits, r.value_output), None
+        return fused_pages.attend(q, call.scaling, r.key, r.value, r.pages, r.block, r.total), None
 
 
 def _in_place(key: torch.Tensor) -> bool:

@@ -54,12 +54,12 @@ class Kivi:
 class Latent:
     """A store that attends from its own parts (low-rank latents): ``key_logits(q)`` for scaled queries
     (B, H_kv, n, D) float32 gives logits (B, G, g * n, T); ``value_output(probs)`` the output
-    (B, H_kv, n, D)."""
+    (B, H_kv, n, D). The parts are the store's functions and choose their own C++ kernels on a CPU
+    (``kvcompress.fused_low_rank``): the one compact read whose kernels are not a backend's yet."""
 
     key_logits: Callable
     value_output: Callable
     kv_heads: int
-    device: torch.device
 
     form = "latent"
     required = False

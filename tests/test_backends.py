@@ -78,9 +78,8 @@ def test_a_plan_no_backend_serves_is_refused_naming_what_each_lacks(monkeypatch)
     q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 5, 8)
     from kvcompress.executor import Standalone
 
-    with pytest.raises(
-        Unserved, match=r"no attention backend serves a dense read .*cpu: reads compact forms"
-    ):
+    why = r"no attention backend serves a dense read .*cpu: reads KIVI codes and Quest pages only, not dense"
+    with pytest.raises(Unserved, match=why):
         execute(Plan(Dense(k, k, None)), Call(Standalone(), q, 0.3, {}, "sdpa"))
 
 
