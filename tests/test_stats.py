@@ -109,6 +109,13 @@ def test_combined_slices_compress_only_when_every_slice_did():
     assert got["perplexity_ci_low"] == got["perplexity_ci_high"] == 2.0  # no spread: a zero-width interval
 
 
+def test_combined_slices_count_the_backends_of_every_slice():
+    base = {"perplexity": 2.0, "nll": 0.7, "tokens_scored": 9, "cache_bytes": 10}
+    ran = [{"cpu": 6, "sdpa": 2}, {"sdpa": 8}, {"torch": 1}]
+    got = combine_slices([{**base, "attention_backends": r} for r in ran])
+    assert got["attention_backends"] == {"cpu": 6, "sdpa": 10, "torch": 1}
+
+
 def test_niah_runs_every_needle_and_accuracy_carries_a_wilson_interval(llama, char_tokenizer, tmp_path):
     path = tmp_path / "hay.txt"
     path.write_text(TEXT)

@@ -42,9 +42,9 @@ def slice_ids(tokenizer, text: str, starts: list[int], max_tokens: int, text_nam
 
 def combine_slices(per_slice: list[dict]) -> dict:
     """One metrics dict from the slices' own: perplexity and nll as mean + 95% t-interval over slices,
-    ``tokens_scored`` and ``tokens_evicted`` summed, ``compressed`` only when every slice compressed, the
-    cache fields of the first slice (equal lengths give equal bytes for all but score-dependent layouts),
-    and ``slices``: each slice's offset, perplexity, nll, tokens and bytes."""
+    ``tokens_scored``, ``tokens_evicted`` and ``attention_backends`` summed, ``compressed`` only when every
+    slice compressed, the cache fields of the first slice (equal lengths give equal bytes for all but
+    score-dependent layouts), and ``slices``: each slice's offset, perplexity, nll, tokens and bytes."""
     first = per_slice[0]
     out = dict(first)
     out.pop("offset_tokens", None)
@@ -55,6 +55,9 @@ def combine_slices(per_slice: list[dict]) -> dict:
     out["tokens_scored"] = sum(s["tokens_scored"] for s in per_slice)
     if all("tokens_evicted" in s for s in per_slice):
         out["tokens_evicted"] = sum(s["tokens_evicted"] for s in per_slice)
+    if all("attention_backends" in s for s in per_slice):  # layer-steps per backend, over every slice
+        ran = [s["attention_backends"] for s in per_slice]
+        out["attention_backends"] = {k: sum(r.get(k, 0) for r in ran) for k in sorted(set().union(*ran))}
     if all("compressed" in s for s in per_slice):
         out["compressed"] = all(s["compressed"] for s in per_slice)
         warnings = [s["warning"] for s in per_slice if s.get("warning")]
