@@ -22,6 +22,16 @@ def policy(tmp_path, **kw):
     )
 
 
+def test_a_shared_basis_refuses_selectors_that_keep_different_tokens_per_head(llama):
+    """One latent per token for several KV heads: a per-head selector (h2o) is refused naming basis=head;
+    sliding_window keeps the same tokens in every head and runs over it; basis=head serves both."""
+    joint = {"name": "low_rank", "basis": "joint", "rank": 3, "calibration_text": "random"}
+    with pytest.raises(ValueError, match="h2o over storage=low_rank cannot work.*use basis=head"):
+        build_cache("h2o", llama, budget=12, storage=joint)
+    assert build_cache("sliding_window", llama, window=12, storage=joint) is not None
+    assert build_cache("h2o", llama, budget=12, storage={**joint, "basis": "head"}) is not None
+
+
 @pytest.mark.parametrize("chunk", [1, 9])
 def test_full_rank_reproduces_full_cache(chunk, tiny_model, tokens, tmp_path):
     ref = stream_logits(tiny_model, tokens, DynamicCache(config=tiny_model.config), chunk=chunk)
