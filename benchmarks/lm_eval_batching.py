@@ -14,8 +14,8 @@ import argparse
 import json
 import time
 
-from kvcompress.data import load_text
 from kvcompress.eval.adapter import KVCompressLM
+from kvcompress.resources.data import load_text
 
 LENGTHS = (192, 186, 180, 175, 168, 162, 156, 150)
 

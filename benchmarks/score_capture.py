@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from kvcompress import build_cache, load_model, load_text
-from kvcompress.report import markdown_table
+from kvcompress.harness.report import markdown_table
 
 POLICIES = {
     "full (hook, no scores)": ("full", {}),

@@ -1,10 +1,17 @@
-"""kvcompress: KV-cache compression policies as transformers cache layers, measured honestly."""
+"""kvcompress: KV-cache compression policies as transformers cache layers, measured honestly.
 
-from kvcompress.cache import KVCache, build_cache, known_policies, make_policy
-from kvcompress.context_pass import compress_context
-from kvcompress.data import load_text
-from kvcompress.models import load_model
+The public API is what this module exports. The package is layered (``.importlinter`` checks it): ``harness``
+over ``eval`` over ``metrics`` and ``memory_model``, over ``persist``, ``runtime``, ``selectors``,
+``storage``, ``kernels``, and at the bottom ``core`` and ``resources``; no module imports one above it.
+"""
+
+import kvcompress.kernels.backends  # noqa: F401  (registers the attention backends with the executor)
+from kvcompress.core.cache import KVCache, build_cache, known_policies, make_policy
 from kvcompress.persist import load_cache
+from kvcompress.persist import save as save_cache
+from kvcompress.resources.data import load_text
+from kvcompress.resources.models import load_model
+from kvcompress.runtime.context_pass import compress_context
 
 __version__ = "0.1.0"
 __all__ = [
@@ -16,5 +23,6 @@ __all__ = [
     "load_model",
     "load_text",
     "make_policy",
+    "save_cache",
     "__version__",
 ]

@@ -1,3 +1,3 @@
-from kvcompress.cli import main
+from kvcompress.harness.cli import main
 
 main()

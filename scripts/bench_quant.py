@@ -26,12 +26,13 @@ from bench_quant_rows import Row, cache_size, rows, set_mode
 from omegaconf import OmegaConf
 
 from kvcompress import load_model
-from kvcompress.data import load_text
+from kvcompress.harness.report import markdown_table
+from kvcompress.harness.results import environment
+from kvcompress.harness.tasks.slices import combine_slices, slice_ids, slice_starts
 from kvcompress.metrics import decode_perplexity
 from kvcompress.metrics.stats import median_iqr
-from kvcompress.report import markdown_table
-from kvcompress.results import environment, write_json_atomic
-from kvcompress.tasks.slices import combine_slices, slice_ids, slice_starts
+from kvcompress.resources.data import load_text
+from kvcompress.resources.files import write_json_atomic
 
 COLUMNS = [
     "row", "chunk_size", "perplexity", "ppl_vs_full", "cache_bytes", "bytes_vs_full", "bits_quantized",

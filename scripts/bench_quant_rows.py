@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import QuantizedCache
 
-from kvcompress import attention, build_cache
-from kvcompress.policies.base import storage_bytes
+from kvcompress import build_cache
+from kvcompress.core import attention
+from kvcompress.core.policy import storage_bytes
 
 
 @dataclass

@@ -17,13 +17,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvcompress.report import compare_records, csv_text, markdown_table, summarize
-from kvcompress.results import load_record
+from kvcompress.harness.report import compare_records, csv_text, markdown_table
+from kvcompress.harness.results import load_record
+from kvcompress.harness.summary import summarize
 
 
 def docs(check: bool) -> int:
     """Regenerate (or check) every generated block of the README, docs/ and experiment READMEs."""
-    from kvcompress.docgen import regenerate
+    from kvcompress.harness.docgen import regenerate
 
     report = regenerate(check=check)
     for spec in report.dropped:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 
 from kvcompress import known_policies, make_policy
+from kvcompress.harness.report import markdown_table
 from kvcompress.memory_model import predicted_bytes
-from kvcompress.policies import ModelSpec
-from kvcompress.report import markdown_table
+from kvcompress.selectors import ModelSpec
 
 
 def main() -> None:

@@ -12,8 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from kvcompress.harness.report import collect, flatten
 from kvcompress.metrics.stats import wilson
-from kvcompress.report import collect, flatten
 
 SKIP = {"_target_", "policy"}
 

@@ -15,11 +15,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from kvcompress import kernels
-from kvcompress.assets import ARTIFACTS_ENV, ASSETS_ENV
-from kvcompress.cache import known_policies, known_storages, make_policy
+from kvcompress.core.cache import known_policies, known_storages, make_policy
+from kvcompress.core.registry import ENV, make_storage
 from kvcompress.kernels import ISA_ENV, ISAS
-from kvcompress.policies import Policy, SchedulePolicy, StoragePreset
-from kvcompress.registry import ENV, make_storage
+from kvcompress.resources.assets import ARTIFACTS_ENV, ASSETS_ENV
+from kvcompress.selectors import Policy, SchedulePolicy, StoragePreset
 
 # Test-only configs (the example selector of tests/plugins) join the registry like a user's own package.
 PLUGINS = Path(__file__).resolve().parent / "plugins"

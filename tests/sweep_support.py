@@ -32,11 +32,11 @@ def run(model, tokenizer, policy, cfg) -> dict:
 def main() -> None:
     pinned = os.environ.get("KVC_TEST_CODE_VERSION")
     if pinned:
-        from kvcompress import app
+        from kvcompress.harness import app
 
         version = json.loads(pinned)
         app.code_version = lambda: version
-    from kvcompress.cli import main as kvcompress_main
+    from kvcompress.harness.cli import main as kvcompress_main
 
     kvcompress_main()
 

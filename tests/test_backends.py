@@ -7,10 +7,12 @@ import pytest
 import torch
 from conftest import make_tiny
 
-from kvcompress import backends, build_cache
-from kvcompress.executor import Unserved, execute
+from kvcompress import build_cache
+from kvcompress.core import executor
+from kvcompress.core.executor import Unserved, execute
+from kvcompress.core.plan import Call, Dense, Plan
+from kvcompress.kernels import backends
 from kvcompress.metrics.compression import attention_backends
-from kvcompress.plan import Call, Dense, Plan
 
 
 def _decode(model, cache, ids) -> torch.Tensor:
@@ -22,7 +24,7 @@ def _ids(n: int = 12, seed: int = 3) -> torch.Tensor:
     return torch.randint(2, 90, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-class Reference(backends.Backend):
+class Reference(executor.Backend):
     """A backend a user plugs in: kvcompress's reference eager attention over dense reads."""
 
     name = "reference"
@@ -38,10 +40,10 @@ class Reference(backends.Backend):
 
 @pytest.fixture
 def reference_backend():
-    saved = list(backends.BACKENDS)
-    backends.register(Reference())
+    saved = list(executor.BACKENDS)
+    executor.register(Reference())
     yield
-    backends.BACKENDS[:] = saved
+    executor.BACKENDS[:] = saved
 
 
 def test_every_step_is_counted_under_the_backend_that_ran():
@@ -66,7 +68,7 @@ def test_a_registered_backend_is_chosen_and_gives_the_same_logits(reference_back
     ours = build_cache("full", model)
     logits = _decode(model, ours, ids)
     assert attention_backends(ours) == {"reference": ids.shape[1] * len(ours.layers)}
-    backends.BACKENDS[:] = [b for b in backends.BACKENDS if b.name != "reference"]
+    executor.BACKENDS[:] = [b for b in executor.BACKENDS if b.name != "reference"]
     sdpa = build_cache("full", model)
     torch.testing.assert_close(logits, _decode(model, sdpa, ids), atol=1e-5, rtol=1e-5)
     assert attention_backends(sdpa) == {"sdpa": ids.shape[1] * len(sdpa.layers)}
@@ -74,9 +76,9 @@ def test_a_registered_backend_is_chosen_and_gives_the_same_logits(reference_back
 
 def test_a_plan_no_backend_serves_is_refused_naming_what_each_lacks(monkeypatch):
     """With no backend for dense reads, the executor says, per backend, what is missing."""
-    monkeypatch.setattr(backends, "BACKENDS", [backends.Cpu()])
+    monkeypatch.setattr(executor, "BACKENDS", [backends.Cpu()])
     q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 5, 8)
-    from kvcompress.executor import Standalone
+    from kvcompress.core.executor import Standalone
 
     why = r"no attention backend serves a dense read .*cpu: reads KIVI codes and Quest pages only, not dense"
     with pytest.raises(Unserved, match=why):
@@ -84,7 +86,7 @@ def test_a_plan_no_backend_serves_is_refused_naming_what_each_lacks(monkeypatch)
 
 
 def test_the_installed_backend_decides_between_sdpa_and_eager():
-    from kvcompress.attention import set_backend
+    from kvcompress.core.attention import set_backend
 
     model, ids = make_tiny("llama"), _ids()
     set_backend(model, "eager")

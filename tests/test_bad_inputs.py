@@ -11,7 +11,7 @@ import torch
 from transformers import BertConfig, BertForMaskedLM
 
 from kvcompress import build_cache, load_model, load_text, make_policy
-from kvcompress.tasks.perplexity import text_tokens
+from kvcompress.harness.tasks.perplexity import text_tokens
 
 
 class CharTokenizer:
@@ -96,7 +96,7 @@ BAD = [
         lambda m, p: build_cache(
             "window_schedule",
             m,
-            rules=[{"layers": "2-5", "policy": {"_target_": "kvcompress.policies.FullPolicy"}}],
+            rules=[{"layers": "2-5", "policy": {"_target_": "kvcompress.selectors.FullPolicy"}}],
         ),
         r"names layer\(s\) \[3, 4, 5\]; the model has 3 layers",
     ),

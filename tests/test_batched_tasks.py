@@ -8,8 +8,8 @@ from test_multi_niah import cfg_for
 from test_tasks import niah_cfg
 
 from kvcompress import make_policy
-from kvcompress.tasks import multi_niah, niah
-from kvcompress.tasks.batched import batches
+from kvcompress.harness.tasks import multi_niah, niah
+from kvcompress.harness.tasks.batched import batches
 
 # what a batch's slots change: padding slots are stored, read and counted
 CACHE_FIELDS = ("tokens_stored_mean", "cache_bytes", "cache_ratio", "read_ratio", "tokens_evicted",
@@ -68,8 +68,8 @@ def test_a_batch_cache_reports_every_byte_field_per_row(llama):
     ``cache_bytes`` is, so each equals the numbers of the row alone (none is the batch's total)."""
     import torch
 
-    from kvcompress.cache import build_cache
-    from kvcompress.tasks.retrieval import TIER_BYTES, cache_fields
+    from kvcompress.core.cache import build_cache
+    from kvcompress.harness.tasks.retrieval import TIER_BYTES, cache_fields
 
     policy = make_policy(
         "tiered", top_k_blocks=2, storage={"name": "offload", "block_size": 4, "recent": 8, "lru_pages": 3}

@@ -8,8 +8,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from kvcompress.guard import ResourceError, check_fits, estimate_bytes
-from kvcompress.tasks import bench
+from kvcompress.harness.guard import ResourceError, check_fits, estimate_bytes
+from kvcompress.harness.tasks import bench
 
 
 class CharTokenizer:

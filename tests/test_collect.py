@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from kvcompress.plots import pareto_front
-from kvcompress.results import write_json_atomic
+from kvcompress.harness.plots import pareto_front
+from kvcompress.resources.files import write_json_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
-WINDOW = "kvcompress.policies.SlidingWindowPolicy"
+WINDOW = "kvcompress.selectors.SlidingWindowPolicy"
 
 
 def _record(policy: dict, metrics: dict, task=None, status="ok") -> dict:
@@ -38,7 +38,7 @@ def _niah_cases(kept_depths):
 def sweep(tmp_path):
     """A fixture sweep: full and two windows at two context lengths, one NIAH run, one failed run."""
     root = tmp_path / "multirun" / "fixture"
-    full = {"_target_": "kvcompress.policies.FullPolicy"}
+    full = {"_target_": "kvcompress.selectors.FullPolicy"}
     runs = {
         "full-512": _record(full, _speed(20.0, 4000, 30.0, 512)),
         "full-1024": _record(full, _speed(18.0, 8000, 25.0, 1024)),
@@ -88,8 +88,8 @@ def test_pareto_front_keeps_only_undominated_points():
 
 
 def test_niah_grid_averages_cases_per_depth_and_length(sweep):
-    from kvcompress.plots import _niah_grids
-    from kvcompress.report import collect
+    from kvcompress.harness.plots import _niah_grids
+    from kvcompress.harness.report import collect
 
     grids = _niah_grids(collect(sweep))
     assert list(grids) == ["sliding_window sink_tokens=4 window=128 [kvc_niah]"]
@@ -98,7 +98,7 @@ def test_niah_grid_averages_cases_per_depth_and_length(sweep):
 
 
 def test_plot_labels_keep_only_the_swept_fields():
-    from kvcompress.plots import varying_params
+    from kvcompress.harness.plots import varying_params
 
     rows = [
         {"params": "bits=2 group_size=32 residual_length=128"},

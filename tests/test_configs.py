@@ -9,10 +9,10 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-import kvcompress.cli  # noqa: F401  (registers the kvc_dirname resolver)
-from kvcompress.cli import CONF_DIR
-from kvcompress.loggers import Logger, make_logger
-from kvcompress.sweep import run_dirname
+import kvcompress.harness.cli  # noqa: F401  (registers the kvc_dirname resolver)
+from kvcompress.harness.cli import CONF_DIR
+from kvcompress.harness.loggers import Logger, make_logger
+from kvcompress.harness.sweep import run_dirname
 
 CONF = Path(CONF_DIR)
 POLICIES = {p.stem for p in (CONF / "policy").glob("*.yaml")}

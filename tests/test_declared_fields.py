@@ -11,8 +11,8 @@ import pytest
 from conftest import POLICY_NAMES, STORAGE_NAMES
 
 from kvcompress import make_policy
-from kvcompress.fields import bad_values
-from kvcompress.registry import from_name, import_target, load, make_storage
+from kvcompress.core.fields import bad_values
+from kvcompress.core.registry import from_name, import_target, load, make_storage
 
 CLASSES = {f"policy/{n}": load("policy", n)["_target_"] for n in POLICY_NAMES}
 CLASSES |= {f"storage/{n}": load("storage", n)["_target_"] for n in STORAGE_NAMES}

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from kvcompress.docgen import regenerate
-from kvcompress.docgen.blocks import DocsReport, regenerate_text
-from kvcompress.report import cell, compare_rows, markdown_table
-from kvcompress.results import write_json_atomic
+from kvcompress.harness.docgen import regenerate
+from kvcompress.harness.docgen.blocks import DocsReport, regenerate_text
+from kvcompress.harness.report import cell, compare_rows, markdown_table
+from kvcompress.resources.files import write_json_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 THIS = Path(__file__).resolve()
-WINDOW = "kvcompress.policies.SlidingWindowPolicy"
+WINDOW = "kvcompress.selectors.SlidingWindowPolicy"
 
 
 def test_every_generated_table_in_the_docs_matches_its_records():
@@ -147,7 +147,7 @@ def test_a_marker_inside_a_code_fence_is_an_example_not_a_block(tmp_path):
 
 
 def test_niah_heatmap_titles_carry_a_wilson_interval():
-    from kvcompress.plots import _wilson_note
+    from kvcompress.harness.plots import _wilson_note
 
     cells = {(0.0, 256.0): [1.0, 1.0, 1.0, 1.0], (50.0, 256.0): [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]}
     assert _wilson_note(cells) == "\n8/10 correct, 95% [0.49, 0.94]"
@@ -156,11 +156,11 @@ def test_niah_heatmap_titles_carry_a_wilson_interval():
 
 def test_niah_heatmap_with_a_missing_cell_is_drawn(tmp_path):
     """Runs at different lengths under one label leave empty (depth, length) cells: drawn blank, no crash."""
-    from kvcompress.plots import plot_niah
+    from kvcompress.harness.plots import plot_niah
 
     def record(length):
         cases = [{"depth": d, "length": length, "correct": 1.0} for d in ([0, 50] if length == 2048 else [0])]
-        policy = {"_target_": "kvcompress.policies.FullPolicy"}
+        policy = {"_target_": "kvcompress.selectors.FullPolicy"}
         return {"config": {"policy": policy}, "metrics": {"cases": cases}}
 
     path = plot_niah([record(2048), record(4096)], tmp_path / "niah.png")

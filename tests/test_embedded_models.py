@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from kvcompress.assets import EMBEDDED_MODELS, EmbeddedModel, assemble_gguf
-from kvcompress.models import embedded_model_dir
+from kvcompress.resources.assets import EMBEDDED_MODELS, EmbeddedModel, assemble_gguf
+from kvcompress.resources.models import embedded_model_dir
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 CHUNKS = [b"GGUF" + bytes(range(7)), b"second-chunk" * 3, b"end"]

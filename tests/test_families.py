@@ -13,7 +13,7 @@ from transformers import DynamicCache
 from zoo import REFUSED, SERVED, WINDOW, make_family
 
 from kvcompress import build_cache, make_policy
-from kvcompress.cache import model_spec
+from kvcompress.core.cache import model_spec
 
 IDS = torch.randint(2, 95, (1, 48), generator=torch.Generator().manual_seed(1))  # 4x the window
 

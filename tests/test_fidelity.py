@@ -11,9 +11,9 @@ from helpers import stream_logits
 from omegaconf import OmegaConf
 
 from kvcompress import build_cache
+from kvcompress.harness.tasks.fidelity import stream
+from kvcompress.harness.tasks.fidelity_report import summarize
 from kvcompress.metrics.fidelity import Lockstep
-from kvcompress.tasks.fidelity import stream
-from kvcompress.tasks.fidelity_report import summarize
 
 
 def _cfg(**kw):
@@ -151,7 +151,7 @@ def _compare_cfg(tmp_path, **over):
 
 def test_compare_full_never_diverges_and_drops_nothing(llama, char_tokenizer, tmp_path):
     from kvcompress import make_policy
-    from kvcompress.tasks import compare
+    from kvcompress.harness.tasks import compare
 
     out = compare.run(llama, char_tokenizer, make_policy("full"), _compare_cfg(tmp_path), out_dir=tmp_path)
     assert out["first_divergence"] is None and out["full_response"] == out["policy_response"]
@@ -162,7 +162,7 @@ def test_compare_full_never_diverges_and_drops_nothing(llama, char_tokenizer, tm
 
 def test_compare_names_what_the_window_dropped(llama, char_tokenizer, tmp_path):
     from kvcompress import make_policy
-    from kvcompress.tasks import compare
+    from kvcompress.harness.tasks import compare
 
     policy = make_policy("sliding_window", sink_tokens=2, window=16)
     out = compare.run(llama, char_tokenizer, policy, _compare_cfg(tmp_path), out_dir=tmp_path)
@@ -177,9 +177,9 @@ def test_fidelity_task_writes_trace_plots_and_summary(llama, char_tokenizer, tmp
     import json
 
     from kvcompress import make_policy
-    from kvcompress.report import summarize as collect
-    from kvcompress.results import write_json_atomic
-    from kvcompress.tasks import fidelity
+    from kvcompress.harness.summary import summarize as collect
+    from kvcompress.harness.tasks import fidelity
+    from kvcompress.resources.files import write_json_atomic
 
     (tmp_path / "t.txt").write_text("The cat sat. A dog ran far away! Birds sing at dawn. " * 10)
     cfg = OmegaConf.load("conf/task/fidelity.yaml")
@@ -206,7 +206,7 @@ def test_quest_reading_fewer_pages_is_not_flagged_as_a_no_op(llama, char_tokeniz
     import warnings
 
     from kvcompress import make_policy
-    from kvcompress.tasks import fidelity
+    from kvcompress.harness.tasks import fidelity
 
     (tmp_path / "t.txt").write_text("The cat sat. A dog ran far away! Birds sing at dawn. " * 10)
     cfg = OmegaConf.load("conf/task/fidelity.yaml")

@@ -1,4 +1,5 @@
-"""Each forward's own state (``kvcompress.forward_state``): its padding and its layer handoff reach only that
+"""Each forward's own state (``kvcompress.core.forward_state``): its padding and its layer handoff reach only
+that
 forward's layers, a caller's own 4D mask is refused, and ``uninstall`` undoes ``install``."""
 
 from __future__ import annotations
@@ -7,9 +8,10 @@ import pytest
 import torch
 from conftest import make_tiny
 
-from kvcompress import attention, build_cache
-from kvcompress.forward_state import KEY, ForwardState
-from kvcompress.padding import left_pad
+from kvcompress import build_cache
+from kvcompress.core import attention
+from kvcompress.core.forward_state import KEY, ForwardState
+from kvcompress.runtime.padding import left_pad
 
 
 def _rows():

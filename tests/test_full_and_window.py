@@ -7,7 +7,7 @@ import torch
 from helpers import stream_logits
 
 from kvcompress import build_cache, make_policy
-from kvcompress.policies.sliding_window import SlidingWindowPolicy
+from kvcompress.selectors.sliding_window import SlidingWindowPolicy
 
 
 def test_full_memory_is_exactly_the_uncompressed_kv(llama, tokens):
@@ -114,7 +114,7 @@ def test_window_ring_decode_equals_the_copying_window(llama, monkeypatch):
 def test_window_decode_attends_grouped_with_sdpas_logits(llama, monkeypatch):
     """A decode query attends through kvcompress's grouped attention, as the other eviction layers do,
     with SDPA's logits up to float rounding; a chunk of several queries still reads SDPA."""
-    from kvcompress.policies.window_layer import SlidingWindowLayer
+    from kvcompress.selectors.window_layer import SlidingWindowLayer
 
     ids = torch.randint(2, 95, (1, 200), generator=torch.Generator().manual_seed(6))
     chunks = [100] + [1] * 60 + [20] + [1] * 20  # past the budget (130) by ring, a chunk, the ring again
@@ -145,7 +145,7 @@ def test_window_ring_moves_one_token_per_step(llama, monkeypatch):
 def _padded_window(llama, rows, monkeypatch, ring: bool, snapshot_at: int | None = None):
     """Logits (B, n, V) of left-padded ``rows`` streamed one token per forward (lm-eval's decode mode)
     through a window of 128 + 2 sinks; with ``snapshot_at``, the stream continues from a restored copy."""
-    from kvcompress.padding import Padded, left_pad
+    from kvcompress.runtime.padding import Padded, left_pad
     from kvcompress.storage.dense import DenseStore
 
     ids, mask = left_pad(rows)
@@ -189,7 +189,7 @@ def test_window_settles_by_a_copy_where_its_buffer_is_not_its_own(llama, monkeyp
     allocate, by one copy; a copied or saved cache carries no pending eviction."""
     import copy
 
-    from kvcompress import persist
+    from kvcompress.core.cache import fork as cache_fork
 
     g = torch.Generator().manual_seed(6)
     if padded:
@@ -209,7 +209,7 @@ def test_window_settles_by_a_copy_where_its_buffer_is_not_its_own(llama, monkeyp
     if padded:
         assert torch.equal(twin.pos, layer.pos) and torch.equal(twin.valid, layer.valid)
     assert cache.layers[1]._pending is not None  # not looked at yet
-    fork = persist.fork(cache)
+    fork = cache_fork(cache)
     assert all(layer._pending is None for layer in cache.layers + fork.layers)
 
 

@@ -22,11 +22,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcompress import build_cache, make_policy
+from kvcompress.core.buffers import storage_bytes
+from kvcompress.core.registry import make_storage
 from kvcompress.memory_model import layer_policy_of
-from kvcompress.policies import SchedulePolicy
-from kvcompress.registry import make_storage
-from kvcompress.storage.buffers import storage_bytes
-from kvcompress.storage.quant import QuantStore
+from kvcompress.selectors import SchedulePolicy
+from kvcompress.storage.quant.kivi import QuantStore
 from kvcompress.storage.residual import ResidualStore
 
 settings.register_profile("ci", max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))

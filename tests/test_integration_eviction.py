@@ -10,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from kvcompress import make_policy
-from kvcompress.tasks import niah
+from kvcompress.harness.tasks import niah
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

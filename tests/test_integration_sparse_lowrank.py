@@ -8,8 +8,8 @@ import torch
 from kvcompress import build_cache, load_text
 from kvcompress.metrics import decode_perplexity
 from kvcompress.metrics.memory import read_summary
-from kvcompress.policies import LowRankPolicy
-from kvcompress.storage import low_rank_bases as lrb
+from kvcompress.selectors import LowRankPolicy
+from kvcompress.storage.low_rank import bases as lrb
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

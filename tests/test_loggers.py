@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from kvcompress.loggers import make_logger
-from kvcompress.loggers.jsonl import JsonlLogger
+from kvcompress.harness.loggers import make_logger
+from kvcompress.harness.loggers.jsonl import JsonlLogger
 
 RECORD = {
     "status": "ok",
     "policy_name": "sliding_window",
     "config": {
-        "policy": {"_target_": "kvcompress.policies.SlidingWindowPolicy", "window": 8},
+        "policy": {"_target_": "kvcompress.selectors.SlidingWindowPolicy", "window": 8},
         "sweep_name": "t",
     },
     "metrics": {
@@ -49,7 +49,7 @@ wandb = pytest.importorskip("wandb")
 
 
 def test_wandb_disabled_mode_run_summary_holds_metrics_and_config(tmp_path):
-    logger = make_logger({"_target_": "kvcompress.loggers.wandb_run.WandbLogger", "mode": "disabled"})
+    logger = make_logger({"_target_": "kvcompress.harness.loggers.wandb_run.WandbLogger", "mode": "disabled"})
     logger.log_run(RECORD, tmp_path / "run0")
     run = logger.last_run
     assert run.summary["perplexity"] == 12.5 and run.summary["cache_bytes"] == 2048
@@ -61,7 +61,7 @@ def test_wandb_disabled_mode_run_summary_holds_metrics_and_config(tmp_path):
 
 def test_wandb_offline_run_writes_tables_and_plots_next_to_results(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
-    logger = make_logger({"_target_": "kvcompress.loggers.wandb_run.WandbLogger", "mode": "offline"})
+    logger = make_logger({"_target_": "kvcompress.harness.loggers.wandb_run.WandbLogger", "mode": "offline"})
     logger.log_run(RECORD, tmp_path / "run0")
     (run_dir,) = (tmp_path / "run0" / "wandb").glob("offline-run-*")
     assert list(run_dir.glob("run-*.wandb"))  # what `wandb sync` uploads later

@@ -12,12 +12,12 @@ from conftest import POLICY_NAMES, SELECTORS, STORAGE_VARIANTS, make_tiny, small
 from omegaconf import OmegaConf
 
 from kvcompress import build_cache, compress_context, make_policy
-from kvcompress.cache import model_spec
+from kvcompress.core.cache import model_spec
+from kvcompress.core.registry import make_storage
+from kvcompress.harness.tasks import bench
 from kvcompress.memory_model import predicted_bytes
-from kvcompress.registry import make_storage
-from kvcompress.tasks import bench
 
-_SNAP = "kvcompress.policies.SnapKVPolicy"
+_SNAP = "kvcompress.selectors.SnapKVPolicy"
 
 # Beyond SMALL: ratio budgets (keep hundreds of tokens, so the buffers have headroom), SnapKV with and
 # without slack, other quantization layouts, int8 low-rank coefficients, PyramidKV over H2O.
@@ -34,7 +34,7 @@ VARIANTS = {
     "tova": [{"budget": None, "compression_ratio": 0.25}],
     "pyramidkv": [
         {"budget": None, "compression_ratio": 0.5},
-        {"budget": 100, "compression_ratio": None, "policy": {"_target_": "kvcompress.policies.H2OPolicy"}},
+        {"budget": 100, "compression_ratio": None, "policy": {"_target_": "kvcompress.selectors.H2OPolicy"}},
     ],
     "quant": [
         {"bits": 2, "group_size": 8, "residual_length": 20, "key_axis": "token"},

@@ -8,7 +8,7 @@ import pytest
 
 from kvcompress import make_policy
 from kvcompress.memory_model import predicted_bytes
-from kvcompress.policies import H2OPolicy, LowRankPolicy, SchedulePolicy
+from kvcompress.selectors import H2OPolicy, LowRankPolicy, SchedulePolicy
 
 # SmolLM2-135M's shape: 30 layers, 9 query / 3 KV heads, head_dim 64
 SPEC_ARGS = dict(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, max_positions=8192)
@@ -17,7 +17,7 @@ BF16, F32 = 2, 4
 
 @pytest.fixture
 def spec():
-    from kvcompress.policies import ModelSpec
+    from kvcompress.selectors import ModelSpec
 
     return ModelSpec(**SPEC_ARGS)
 
@@ -117,7 +117,7 @@ def test_low_rank_keys_with_int4_values(spec):
 
 
 def shape(spec, tokens):
-    from kvcompress.spec import Shape
+    from kvcompress.core.spec import Shape
 
     return Shape(1, spec.num_kv_heads, spec.num_heads, spec.head_dim, BF16, tokens, 0)
 

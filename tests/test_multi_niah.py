@@ -7,9 +7,9 @@ import torch
 from omegaconf import OmegaConf
 
 from kvcompress import build_cache
-from kvcompress.tasks import multi_niah
-from kvcompress.tasks.conversation import next_turn_text
-from kvcompress.tasks.retrieval import answer, eos_ids, split_prompt
+from kvcompress.harness.tasks import multi_niah
+from kvcompress.harness.tasks.conversation import next_turn_text
+from kvcompress.harness.tasks.retrieval import answer, eos_ids, split_prompt
 
 TEXT = "The cat sat. A dog ran far away! Birds sing at dawn. Is it late? " * 30
 
@@ -75,7 +75,7 @@ def test_multiturn_keeps_the_history(llama, char_tokenizer, tmp_path):
 
 
 def test_kvzip_compresses_each_context_once_and_a_bad_mode_is_named(llama, char_tokenizer, tmp_path):
-    from kvcompress.policies import KVzipPolicy
+    from kvcompress.selectors import KVzipPolicy
 
     policy = KVzipPolicy(**KVzipPolicy.TEST_PARAMS)
     got = multi_niah.run(llama, char_tokenizer, policy, cfg_for(tmp_path, trials=2))

@@ -10,7 +10,8 @@ import pytest
 import torch
 from conftest import small
 
-from kvcompress import build_cache, profiling
+from kvcompress import build_cache
+from kvcompress.core import profiling
 
 MAIN = [
     "full", "quant", "sliding_window", "h2o", "snapkv", "tova", "pyramidkv", "block_sparse", "low_rank",

@@ -13,12 +13,12 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from kvcompress import build_cache
-from kvcompress.cache import make_policy
+from kvcompress.core.cache import make_policy
+from kvcompress.harness.report import flatten, markdown_table
+from kvcompress.harness.tasks import niah
+from kvcompress.harness.tasks import perplexity as ppl_task
 from kvcompress.metrics import decode_perplexity
-from kvcompress.policies import QuantPolicy, SnapKVPolicy
-from kvcompress.report import flatten, markdown_table
-from kvcompress.tasks import niah
-from kvcompress.tasks import perplexity as ppl_task
+from kvcompress.selectors import QuantPolicy, SnapKVPolicy
 
 TEXT = "The cat sat on the mat. A dog ran far away! Birds sing at dawn. Is it late? " * 8
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import make_tiny
 
-from kvcompress import build_cache, packed_linears
+from kvcompress import build_cache
+from kvcompress.resources import packed_linears
 
 pytestmark = pytest.mark.skipif(
     packed_linears.unavailable(make_tiny("llama")) is not None, reason="no oneDNN linear in this torch build"
@@ -58,7 +59,7 @@ def test_a_run_records_its_packed_linears_and_refuses_unknown_ones(tmp_path, tin
     from helpers import fake_essay
     from test_reproducible import _cfg
 
-    from kvcompress.app import run_experiment
+    from kvcompress.harness.app import run_experiment
 
     (tmp_path / "essays.txt").write_text(" ".join(fake_essay(i) for i in range(3)))
     runs = {

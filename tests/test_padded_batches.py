@@ -1,4 +1,5 @@
-"""Left-padded batches (``kvcompress.padding``): every selector x storage cell either compresses each padded
+"""Left-padded batches (``kvcompress.runtime.padding``): every selector x storage cell either compresses each
+padded
 row exactly as it compresses the row alone (prompt, question fed token by token, greedy steps), or declares
 ``pads_exactly = False`` and is refused by name."""
 
@@ -11,7 +12,7 @@ from helpers import refuses_padding
 from test_selector_storage_product import CELLS, IDS, cell_policy
 
 from kvcompress import build_cache
-from kvcompress.padding import Padded, left_pad
+from kvcompress.runtime.padding import Padded, left_pad
 
 G = torch.Generator().manual_seed(3)
 ROWS = [torch.randint(2, 95, (1, n), generator=G) for n in (30, 27, 22)]

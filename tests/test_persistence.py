@@ -14,9 +14,10 @@ from conftest import POLICY_NAMES, is_selector, make_tiny, small
 from helpers import stream_logits
 from test_selector_storage_product import CELLS, IDS, build_or_refused
 
-from kvcompress import build_cache, calibration, compress_context, load_cache
+from kvcompress import build_cache, compress_context, load_cache, save_cache
 from kvcompress.persist import HEADER_KEY, cache_state
-from kvcompress.policies.config import policy_config, policy_from_saved
+from kvcompress.persist.config import policy_config, policy_from_saved
+from kvcompress.storage.low_rank import calibration
 
 MODEL = make_tiny("llama")
 OTHERS = [n for n in POLICY_NAMES if not is_selector(n)]  # schedules, pyramidkv, storage presets
@@ -53,7 +54,7 @@ def test_save_and_load_round_trip_bit_exactly(sel, var, tmp_path, monkeypatch):
     cache = filled(sel, var)
     if cache is None:
         return
-    cache.save(tmp_path / "cache.safetensors")
+    save_cache(cache, tmp_path / "cache.safetensors")
     monkeypatch.setattr(calibration, "calibrate", _no_calibration)
     loaded = load_cache(tmp_path / "cache.safetensors", MODEL)
     assert loaded.policy.describe() == cache.policy.describe()
@@ -103,7 +104,7 @@ def _rewrite_header(src, dst, change) -> None:
 def test_refuses_another_model_other_code_and_a_changed_format(tmp_path):
     cache = filled("h2o", "dense")
     path = tmp_path / "c.safetensors"
-    cache.save(path)
+    save_cache(cache, path)
     with pytest.raises(ValueError, match="model mismatch: .* 'llama' model .* 'qwen2' model"):
         load_cache(path, make_tiny("qwen2"))
     other = make_tiny("llama")
@@ -112,9 +113,9 @@ def test_refuses_another_model_other_code_and_a_changed_format(tmp_path):
     with pytest.raises(ValueError, match="model mismatch"):
         load_cache(path, other)
     bad = tmp_path / "bad.safetensors"
-    _rewrite_header(path, bad, lambda h: h["code"].update({"kvcompress.state": "0" * 16}))
+    _rewrite_header(path, bad, lambda h: h["code"].update({"kvcompress.persist.state": "0" * 16}))
     with pytest.raises(
-        ValueError, match=r"layout was written by other code: kvcompress.state \(0{16} in the"
+        ValueError, match=r"layout was written by other code: kvcompress.persist.state \(0{16} in the"
     ):
         load_cache(bad, MODEL)
     _rewrite_header(path, bad, lambda h: h["layers"][1]["state"].pop("acc"))

@@ -10,8 +10,8 @@ from helpers import held_tensors, refuses_padding, stream_logits
 from transformers import DynamicCache
 
 from kvcompress import build_cache
-from kvcompress.attention import set_backend
-from kvcompress.storage.buffers import storage_bytes
+from kvcompress.core.attention import set_backend
+from kvcompress.core.buffers import storage_bytes
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)

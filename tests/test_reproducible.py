@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from kvcompress.app import run_experiment
+from kvcompress.harness.app import run_experiment
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 CASES = {

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from kvcompress import app
-from kvcompress.results import code_version, load_record
-from kvcompress.sweep import completed_record, resume_mode
+from kvcompress.harness import app
+from kvcompress.harness.results import code_version, load_record
+from kvcompress.harness.sweep import completed_record, resume_mode
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 V1 = {"commit": "a" * 40, "dirty_hash": None}
@@ -80,7 +80,7 @@ def test_resume_reuses_only_what_the_mode_allows(
 def test_records_of_unknown_version_are_rerun_unless_resume_any(tmp_path, tiny_checkpoint, calls, capsys):
     import json
 
-    from kvcompress.results import RESULTS_FILE
+    from kvcompress.harness.results import RESULTS_FILE
 
     config_of = _run(tiny_checkpoint, tmp_path / "run")["config"]
     old = {"status": "ok", "config": config_of, "metrics": {"perplexity": 1.0}}  # written by older code

@@ -14,8 +14,8 @@ from conftest import SELECTORS, STORAGE_VARIANTS, make_tiny, max_memory_ratio, s
 from helpers import held_tensors, refuses_padding, stream_logits
 
 from kvcompress import build_cache
-from kvcompress.registry import make_storage
-from kvcompress.storage.buffers import storage_bytes
+from kvcompress.core.buffers import storage_bytes
+from kvcompress.core.registry import make_storage
 
 CELLS = [(sel, var) for sel in SELECTORS for var in STORAGE_VARIANTS]
 IDS = [f"{sel}-{var}" for sel, var in CELLS]

@@ -10,13 +10,13 @@ import pytest
 from omegaconf import OmegaConf
 
 from kvcompress import build_cache
-from kvcompress.cache import make_policy
+from kvcompress.core.cache import make_policy
+from kvcompress.harness.tasks import niah
+from kvcompress.harness.tasks import perplexity as ppl_task
+from kvcompress.harness.tasks.grid import accuracy_metrics
+from kvcompress.harness.tasks.slices import combine_slices, slice_ids, slice_starts
 from kvcompress.metrics import decode_perplexity
 from kvcompress.metrics.stats import compare, median_iqr, t975, t_interval, wilson
-from kvcompress.tasks import niah
-from kvcompress.tasks import perplexity as ppl_task
-from kvcompress.tasks.grid import accuracy_metrics
-from kvcompress.tasks.slices import combine_slices, slice_ids, slice_starts
 
 TEXT = "The cat sat on the mat. A dog ran far away! Birds sing at dawn. Is it late? " * 12
 
@@ -160,7 +160,7 @@ def test_paired_comparison_removes_the_spread_between_texts():
 
 
 def test_records_are_compared_paired_when_they_scored_the_same_slices():
-    from kvcompress.report import compare_records
+    from kvcompress.harness.report import compare_records
 
     def record(ppls, offsets=(0, 100, 200)):
         pairs = zip(offsets, ppls, strict=True)

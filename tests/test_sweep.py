@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcompress.report import collect
+from kvcompress.harness.report import collect
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

@@ -8,9 +8,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from kvcompress import build_cache
-from kvcompress.tasks import niah, passkey
-from kvcompress.tasks.grid import accuracy_table, table_markdown
-from kvcompress.tasks.retrieval import answer, is_correct, split_prompt
+from kvcompress.harness.tasks import niah, passkey
+from kvcompress.harness.tasks.grid import accuracy_table, table_markdown
+from kvcompress.harness.tasks.retrieval import answer, is_correct, split_prompt
 
 TEXT = "The cat sat. A dog ran far away! Birds sing at dawn. Is it late? " * 20
 
@@ -86,7 +86,7 @@ def test_niah_grid_records_table_files_and_same_answers_in_both_modes_when_uncom
 
 
 def test_compressed_cases_keep_fewer_tokens(llama, char_tokenizer, tmp_path):
-    from kvcompress.policies import SnapKVPolicy
+    from kvcompress.selectors import SnapKVPolicy
 
     cfg = niah_cfg(tmp_path, question_in_prompt=True, lengths=[120], depths=[50])
     full = niah.run(llama, char_tokenizer, build_cache("full", llama).policy, cfg)["cases"][0]

@@ -19,10 +19,10 @@ from conftest import make_tiny
 from helpers import stream_logits
 
 from kvcompress import build_cache
-from kvcompress.context_pass import forward_prompt
-from kvcompress.policies.block_sparse_layer import page_bounds
-from kvcompress.storage import page_lru
-from kvcompress.storage.cold import MIN_ROWS, ColdPages
+from kvcompress.runtime.context_pass import forward_prompt
+from kvcompress.selectors.pages.block_sparse_layer import page_bounds
+from kvcompress.storage.offload import page_lru
+from kvcompress.storage.offload.cold import MIN_ROWS, ColdPages
 
 IDS = torch.randint(2, 95, (1, 64), generator=torch.Generator().manual_seed(5))
 SMALL = {"block_size": 4, "recent": 8, "lru_pages": 4}
@@ -91,7 +91,7 @@ def test_fewer_pages_read_fewer_bytes_on_the_device_and_differ_from_full():
 
 def test_unpadded_decode_reads_pages_without_a_mask(monkeypatch):
     """A mask would make SDPA repeat the KV heads for GQA: unpadded decode steps pass none, chunks do."""
-    from kvcompress.policies.tiered_layer import TieredLayer
+    from kvcompress.selectors.pages.tiered_layer import TieredLayer
 
     seen, attend = [], TieredLayer.attend
 

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from kvcompress.fused import decode_attention
+from kvcompress.core.fused import decode_attention
 
 
 def median_us(fn, repeats: int = 30, calls: int = 20) -> float:

@@ -30,13 +30,14 @@ from pathlib import Path
 
 import torch
 
-from kvcompress import attention, build_cache
-from kvcompress.context_pass import after_prefill
+from kvcompress import build_cache
+from kvcompress.core import attention
+from kvcompress.core.profiling import timing
+from kvcompress.harness.tasks.perplexity import text_tokens
 from kvcompress.metrics.memory import read_summary
-from kvcompress.models import load_model
-from kvcompress.profiling import timing
-from kvcompress.results import write_text_atomic
-from kvcompress.tasks.perplexity import text_tokens
+from kvcompress.resources.files import write_text_atomic
+from kvcompress.resources.models import load_model
+from kvcompress.runtime.context_pass import after_prefill
 
 CONTENDERS = {
     "full": ("full", {}),

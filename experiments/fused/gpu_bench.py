@@ -20,8 +20,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache, QuantizedCache
 
-from kvcompress import attention, build_cache
-from kvcompress.results import write_text_atomic
+from kvcompress import build_cache
+from kvcompress.core import attention
+from kvcompress.resources.files import write_text_atomic
 
 BUDGET_S = 480
 LENGTHS = (8192, 32768)

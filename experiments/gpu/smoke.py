@@ -26,10 +26,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvcompress import build_cache, known_policies, make_policy
-from kvcompress.cache import known_storages
+from kvcompress.core.cache import known_storages
+from kvcompress.core.registry import make_storage
 from kvcompress.metrics.compression import attention_backends
-from kvcompress.policies import SchedulePolicy, StoragePreset
-from kvcompress.registry import make_storage
+from kvcompress.selectors import SchedulePolicy, StoragePreset
 
 
 def model_of(device: str, dtype: torch.dtype, head_dim: int, layers: int) -> LlamaForCausalLM:

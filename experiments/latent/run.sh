@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Attention in the low-rank latent space (kvcompress/fused_low_rank.py) on the embedded model (SmolLM2-135M,
+# Attention in the low-rank latent space (kvcompress/kernels/fused_low_rank.py) on the embedded model (SmolLM2-135M,
 # float32, CPU, OMP_NUM_THREADS=1): decode tok/s at 4k vs full, interleaved rounds (experiments/fused's
 # script), then the decode-mode perplexity check (ppl.sh). The machine has 2 cores shared with other jobs
 # running at a higher priority (load average 5-8): the CPU-time ratios are the ones to read.

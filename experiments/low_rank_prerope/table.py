@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from kvcompress.report import collect
+from kvcompress.harness.report import collect
 
 
 def describe(policy: dict) -> str:

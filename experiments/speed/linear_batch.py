@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from kvcompress.packed_linears import PackedLinear
+from kvcompress.resources.packed_linears import PackedLinear
 
 SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]  # (in, out); the last: lm_head
 

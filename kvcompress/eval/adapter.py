@@ -24,15 +24,13 @@ from lm_eval.models.huggingface import HFLM
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
-from kvcompress import packed_linears
-from kvcompress.attention import set_backend
-from kvcompress.cache import CONF_DIR, build_cache, known_policies, make_policy
-from kvcompress.calibration_text import cache_spans
-from kvcompress.context_pass import needs_context_pass, prefill
+from kvcompress.core.attention import set_backend
+from kvcompress.core.cache import CONF_DIR, build_cache, known_policies, make_policy
+from kvcompress.core.fields import refuse_renamed
+from kvcompress.core.policy import Policy
 from kvcompress.eval.batching import check_batch_size, equal_length_groups
 from kvcompress.eval.calibration_guard import CalibrationGuard
 from kvcompress.eval.streamed import Scores, score_requests, stream
-from kvcompress.fields import refuse_renamed
 from kvcompress.metrics.compression import (
     attention_backends,
     flag_uncompressed,
@@ -41,9 +39,11 @@ from kvcompress.metrics.compression import (
     read_counts,
     tokens_evicted,
 )
-from kvcompress.models import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_model_dir, resolve_device
-from kvcompress.padding import Padded, check_padding
-from kvcompress.policies.base import Policy
+from kvcompress.resources import packed_linears
+from kvcompress.resources.models import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_model_dir, resolve_device
+from kvcompress.runtime.context_pass import needs_context_pass, prefill
+from kvcompress.runtime.padding import Padded, check_padding
+from kvcompress.storage.low_rank.calibration_text import cache_spans
 
 POLICY_PREFIX, HF_PREFIX = "policy.", "hf."  # model args meant for the policy's fields / for ``hf`` itself
 
@@ -142,7 +142,7 @@ class KVCompressLM(CalibrationGuard, HFLM):
         chunk_size: tokens per forward when streaming log-likelihood requests (1 = exact decode mode).
         attn_backend: kernel behind kvcompress's attention function (``sdpa`` or ``eager``).
         linears: ``"packed"`` runs the model's linear layers on oneDNN with weights packed once (CPU,
-            float32; ``kvcompress.packed_linears``), ``None`` or ``"default"`` leaves them.
+            float32; ``kvcompress.resources.packed_linears``), ``None`` or ``"default"`` leaves them.
         **kwargs: ``hf`` model args (``max_length``, ``dtype``, ``batch_size``...) and policy fields.
             ``batch_size`` requests stream together (``kvcompress.eval.batching``: each row scores as alone).
     """

@@ -7,7 +7,7 @@ row is compressed exactly as alone, whatever the policy, and requests of any len
 ``chunk_size > 1`` the forward that carries a shorter row's last tokens would also carry its padding as
 queries of that chunk (a query-aware selector such as block_sparse reads pages those queries chose), so
 only requests of equal length share a batch. Generation: lm-eval pads prompts on the left, which a policy
-whose layers declare ``pads_exactly = False`` refuses (``kvcompress.padding.check_padding``).
+whose layers declare ``pads_exactly = False`` refuses (``kvcompress.runtime.padding.check_padding``).
 """
 
 from __future__ import annotations

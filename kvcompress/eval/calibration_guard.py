@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from kvcompress.calibration_text import check_disjoint
+from kvcompress.storage.low_rank.calibration_text import check_disjoint
 
 
 class CalibrationGuard:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import re
 
-from kvcompress.data import DEFAULT_TEXT, essays_dir
+from kvcompress.resources.data import DEFAULT_TEXT, essays_dir
 
 ESSAY_MIN_CHARS = 2000
 ESSAY_MAX_CHARS = 6000

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvcompress.assets import cache_dir
-from kvcompress.results import write_text_atomic
+from kvcompress.resources.assets import cache_dir
+from kvcompress.resources.files import write_text_atomic
 
 SOURCE_DIR = Path(__file__).resolve().parent / "lm_tasks"
 DATA_VERSION = 2  # 2: documents carry the essays' character span they read

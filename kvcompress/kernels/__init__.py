@@ -3,7 +3,8 @@
 ``quant_attention.cpp`` computes KIVI decode attention sums straight from packed codes (Liu et al., arXiv
 2402.02750), one pass over a KV head's bytes: for every token group the key scales fold into the query and
 the zero points into one constant; for every token the value scales fold into its probability. Unlike the
-``torch.compile`` form of the same sums (``kvcompress.fused_quant``), the loops unpack 16 tokens at a time
+``torch.compile`` form of the same sums (``kvcompress.kernels.fused_quant``), the loops unpack 16 tokens at a
+time
 into a small buffer that stays in L1 and share it between the GQA group's query heads (no float copy of
 the cache, no horizontal sum per token); its speed against a float32 cache is in experiments/fused.
 Two builds of every kernel sit side by side under torch's extension folder: ``native`` (``-march=native``:
@@ -23,7 +24,8 @@ gathered copy of the pages (``load("page_attention")``).
 
 ``rope_latent.cpp`` computes decode logits over pre-RoPE low-rank keys (Palu, arXiv 2407.21118): a few keys
 at a time are rebuilt from their latents in registers, rotated at their positions from a shared cos/sin
-table and dotted with the GQA group's queries (``load("rope_latent")``, ``kvcompress.fused_low_rank``).
+table and dotted with the GQA group's queries (``load("rope_latent")``,
+``kvcompress.kernels.fused_low_rank``).
 
 ``latent_values.cpp`` mixes low-rank latents by the probabilities (``sum_t p_t c_t``, a few rows by T tokens:
 what a BLAS does worst) with each latent read once into register accumulators (``load("latent_values")``).

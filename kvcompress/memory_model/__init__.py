@@ -19,7 +19,7 @@ selector that evicts at decode steps runs over a storage with a full-precision w
 window holds then depends on the scores).
 """
 
+from kvcompress.core.spec import Shape
 from kvcompress.memory_model.core import layer_policy_of, predicted_bytes, predicted_for_model
-from kvcompress.spec import Shape
 
 __all__ = ["Shape", "layer_policy_of", "predicted_bytes", "predicted_for_model"]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvcompress.policies import ModelSpec, Policy, PyramidKVPolicy, SchedulePolicy
-from kvcompress.spec import Shape
+from kvcompress.core.spec import Shape
+from kvcompress.selectors import ModelSpec, Policy, PyramidKVPolicy, SchedulePolicy
 
 DTYPE_BYTES = (1, 2, 4, 8)
 
@@ -45,7 +45,7 @@ def predicted_bytes(
     Returns:
         The sum over layers of each layer's formula, or None if any layer has none.
     """
-    from kvcompress.cache import make_policy
+    from kvcompress.core.cache import make_policy
 
     _check_inputs(n_tokens, dtype_bytes, batch, decode_tokens)
     policy = make_policy(policy)
@@ -64,7 +64,7 @@ def predicted_bytes(
 
 def predicted_for_model(policy, model, n_tokens: int, decode_tokens: int = 0, batch: int = 1) -> int | None:
     """``predicted_bytes`` with the shape and dtype read from a loaded ``model``."""
-    from kvcompress.cache import model_spec
+    from kvcompress.core.cache import model_spec
 
     return predicted_bytes(policy, model_spec(model), n_tokens, model.dtype.itemsize, batch, decode_tokens)
 

@@ -16,7 +16,7 @@ from collections import Counter
 
 import torch
 
-from kvcompress.cache import build_cache
+from kvcompress.core.cache import build_cache
 
 
 def tokens_evicted(cache) -> int:
@@ -56,7 +56,8 @@ def read_counts(cache) -> tuple[float, int]:
 
 
 def attention_backends(cache) -> dict[str, int]:
-    """Layer-steps each attention backend ran (``kvcompress.backends``: ``{"cpu": n, "sdpa": m}``), summed
+    """Layer-steps each attention backend ran (``kvcompress.kernels.backends``: ``{"cpu": n, "sdpa": m}``),
+    summed
     over the cache's layers: which code computed a result's numbers. {} for a cache without the counters."""
     total: Counter = Counter()
     for s in cache.stats() if hasattr(cache, "stats") else []:

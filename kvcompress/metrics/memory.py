@@ -36,7 +36,7 @@ def shared_bytes(cache) -> int:
 def _store_bytes(cache, which: str) -> int:
     """Distinct storage bytes of what every layer's store lists under ``which`` (a tensor shared by layers
     counts once)."""
-    from kvcompress.storage.buffers import storage_bytes
+    from kvcompress.core.buffers import storage_bytes
 
     return storage_bytes(t for layer in cache.layers for t in getattr(layer.store, which)())
 

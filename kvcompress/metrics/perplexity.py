@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from kvcompress.context_pass import forward_prompt
+from kvcompress.runtime.context_pass import forward_prompt
 
 
 class NonFiniteError(RuntimeError):
@@ -58,7 +58,7 @@ def decode_perplexity(
             prefill-time policies such as SnapKV compress) and are not scored; the rest streams in
             ``chunk_size`` chunks and only those predictions are scored (N - prefix_tokens - 1 tokens).
         after_prefix: called as ``after_prefix(cache, prefix_ids)`` right after the prefix's prefill (the
-            context pass of query-agnostic policies, ``kvcompress.context_pass``).
+            context pass of query-agnostic policies, ``kvcompress.runtime.context_pass``).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")

@@ -7,8 +7,8 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from kvcompress.context_pass import forward_prompt
 from kvcompress.metrics.stats import median_iqr
+from kvcompress.runtime.context_pass import forward_prompt
 
 
 def _sync(device) -> None:

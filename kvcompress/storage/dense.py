@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.storage import buffers
-from kvcompress.storage.base import KINDS, Storage, Store, reorder_all
+from kvcompress.core import buffers
+from kvcompress.core.storage import KINDS, Storage, Store, reorder_all
 
 
 class DenseStore(Store):

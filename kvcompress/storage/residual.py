@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from kvcompress.storage.base import KINDS, Store
-from kvcompress.storage.buffers import Slots, gather_tokens
+from kvcompress.core.buffers import Slots, gather_tokens
+from kvcompress.core.storage import KINDS, Store
 
 
 def shared_heads(idx: torch.Tensor, heads: int) -> torch.Tensor:

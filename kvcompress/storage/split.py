@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from functools import partial
 
-from kvcompress import fused_low_rank
-from kvcompress.plan import Latent
-from kvcompress.storage.base import Store
+from kvcompress.core.plan import Latent
+from kvcompress.core.storage import Store
+from kvcompress.kernels import fused_low_rank
 
 
 class SplitStore(Store):

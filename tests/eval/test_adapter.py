@@ -112,7 +112,7 @@ def test_policy_args_are_split_from_hf_args_and_validated():
         split_policy_args("nope", {})
     with pytest.raises(ValueError, match="sliding_window.window=0"):
         split_policy_args("sliding_window", {"window": 0})
-    cfg = {"_target_": "kvcompress.policies.SlidingWindowPolicy", "window": 5}
+    cfg = {"_target_": "kvcompress.selectors.SlidingWindowPolicy", "window": 5}
     assert split_policy_args(cfg, {})[0].window == 5
 
 
@@ -140,7 +140,7 @@ def test_documents_that_read_calibration_text_are_refused(fake_cache, tiny_check
 
 
 def test_packed_linears_model_arg_packs_and_keeps_the_logits(window_lm, tiny_checkpoint):
-    from kvcompress import packed_linears
+    from kvcompress.resources import packed_linears
 
     if packed_linears.unavailable(window_lm.model) is not None:
         pytest.skip("no oneDNN linear in this torch build")

@@ -13,8 +13,8 @@ from helpers import stream_logits
 
 pytest.importorskip("lm_eval")
 from kvcompress import build_cache  # noqa: E402
-from kvcompress.context_pass import prefill  # noqa: E402
 from kvcompress.eval.adapter import KVCompressLM  # noqa: E402
+from kvcompress.runtime.context_pass import prefill  # noqa: E402
 
 CONTEXT, CONTINUATION = list(range(3, 43)), [50, 51, 52, 53]
 KVZIP = {"policy": "kvzip", "compression_ratio": None, "context_chunk": 16, "sink_tokens": 2}

@@ -49,7 +49,7 @@ def test_task_dir_writes_yamls_with_absolute_data_paths_once(fake_cache):
 
 
 def test_documents_record_the_characters_they_read(fake_cache):
-    from kvcompress.data import load_text
+    from kvcompress.resources.data import load_text
 
     body = load_text("pg_essays")
     for doc in essay_documents():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from kvcompress.cache import make_policy
+from kvcompress.core.cache import make_policy
 from kvcompress.eval.hydra_task import cases, flatten_results
 
 ROOT = Path(__file__).resolve().parents[2]

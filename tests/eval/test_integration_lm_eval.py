@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcompress.models import default_model_dir
+from kvcompress.resources.models import default_model_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcompress.fields import Int
-from kvcompress.policies.eviction import EvictionLayer, EvictionPolicy
+from kvcompress.core.fields import Int
+from kvcompress.selectors.eviction.base import EvictionLayer, EvictionPolicy
 
 
 class KnormLayer(EvictionLayer):

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.fields import Int
-from kvcompress.spec import Shape
-from kvcompress.storage.base import Storage
+from kvcompress.core.fields import Int
+from kvcompress.core.spec import Shape
+from kvcompress.core.storage import Storage
 from kvcompress.storage.residual import ResidualStore
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn

@@ -13,8 +13,8 @@ from helpers import stream_logits
 from transformers import DynamicCache
 
 from kvcompress import build_cache
-from kvcompress.forward_state import ForwardState
-from kvcompress.policies import BlockEvictPolicy, ModelSpec
+from kvcompress.core.forward_state import ForwardState
+from kvcompress.selectors import BlockEvictPolicy, ModelSpec
 
 D = 16
 SPEC = ModelSpec(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=D, max_positions=512)

@@ -11,10 +11,10 @@ from helpers import stream_logits
 from transformers import DynamicCache
 
 from kvcompress import build_cache
-from kvcompress.executor import Standalone, execute
+from kvcompress.core.executor import Standalone, execute
+from kvcompress.core.plan import Call
 from kvcompress.metrics.memory import read_summary
-from kvcompress.plan import Call
-from kvcompress.policies import BlockSparsePolicy, ModelSpec
+from kvcompress.selectors import BlockSparsePolicy, ModelSpec
 
 SPEC = ModelSpec(num_layers=1, num_heads=6, num_kv_heads=2, head_dim=8, max_positions=512)
 
@@ -142,7 +142,7 @@ def test_pages_read_in_place_equal_attention_over_the_gathered_pages(n_tokens, b
 def test_the_kernels_page_choice_is_the_tensor_forms(block_size, ratio, sinks):
     """``fused_pages.select`` (one C++ call) returns the pages of ``page_bounds`` + ``_select_unpadded``."""
     kernel_or_skip("page_attention")
-    from kvcompress import fused_pages
+    from kvcompress.kernels import fused_pages
 
     policy = BlockSparsePolicy(block_size=block_size, read_ratio=ratio, sink_blocks=sinks)
     layer, _ = _filled_layer(policy, 203, seed=block_size)
@@ -161,7 +161,7 @@ def test_the_kernels_page_choice_is_the_tensor_forms(block_size, ratio, sinks):
 @pytest.mark.usefixtures("kernel_isa")
 def test_decode_with_pages_read_in_place_keeps_the_logits(llama, tokens, monkeypatch):
     kernel_or_skip("page_attention")
-    from kvcompress import fused_pages
+    from kvcompress.kernels import fused_pages
 
     calls = []
     real = fused_pages.attend

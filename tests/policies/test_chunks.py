@@ -8,8 +8,8 @@ from conftest import make_tiny
 from test_eviction_rules import SPEC, kept, queries, step
 
 from kvcompress import build_cache, make_policy
-from kvcompress.policies import H2OPolicy, SnapKVPolicy
-from kvcompress.policies.chunks import chunk_priority
+from kvcompress.selectors import H2OPolicy, SnapKVPolicy
+from kvcompress.selectors.eviction.chunks import chunk_priority
 
 # chunks of 4: [5 0 0 0] sums 5, [2 2.1 2.2 2.3] sums 8.6, [4 0 0 1] sums 5
 SCORES = torch.tensor([[[5.0, 0, 0, 0, 2, 2.1, 2.2, 2.3, 4, 0, 0, 1]]])
@@ -58,7 +58,7 @@ def test_h2o_chunk_unit_evicts_from_the_worst_chunk_in_order():
 
 @pytest.mark.parametrize("name", ["snapkv", "h2o", "tova", "kvzip", "expected_attention"])
 def test_chunk_unit_left_padded_batch_matches_rows_alone(name):
-    from kvcompress.context_pass import prefill
+    from kvcompress.runtime.context_pass import prefill
 
     model = make_tiny("llama")
     params = {**type(make_policy(name)).TEST_PARAMS, "unit": "chunk", "chunk_size": 3}

@@ -7,7 +7,7 @@ import torch
 from helpers import stream_logits
 
 from kvcompress import build_cache
-from kvcompress.policies import H2OPolicy, SnapKVPolicy, TOVAPolicy
+from kvcompress.selectors import H2OPolicy, SnapKVPolicy, TOVAPolicy
 
 
 def _kept_positions(layer, full_layer) -> torch.Tensor:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from kvcompress.policies import H2OPolicy, SnapKVPolicy, TOVAPolicy
-from kvcompress.policies.base import ModelSpec
+from kvcompress.core.policy import ModelSpec
+from kvcompress.selectors import H2OPolicy, SnapKVPolicy, TOVAPolicy
 
 D = 16
 SPEC = ModelSpec(num_layers=1, num_heads=2, num_kv_heads=2, head_dim=D, max_positions=64)

@@ -8,10 +8,10 @@ import torch
 from conftest import make_tiny
 
 from kvcompress import build_cache
-from kvcompress.policies import ExpectedAttentionPolicy
-from kvcompress.policies.base import ModelSpec
-from kvcompress.policies.expected_attention import expected_scores, query_statistics
-from kvcompress.policies.rope import mean_rotation, rope_frequencies, rotate
+from kvcompress.core.policy import ModelSpec
+from kvcompress.selectors import ExpectedAttentionPolicy
+from kvcompress.selectors.eviction.expected_attention import expected_scores, query_statistics
+from kvcompress.selectors.eviction.rope import mean_rotation, rope_frequencies, rotate
 
 D = 8
 INV = 1.0 / (100.0 ** (torch.arange(0, D, 2).float() / D))  # (D/2,)

@@ -1,4 +1,5 @@
-"""Attention in the low-rank latent space (``kvcompress.fused_low_rank``): the same logits as reconstructing
+"""Attention in the low-rank latent space (``kvcompress.kernels.fused_low_rank``): the same logits as
+reconstructing
 keys and values for the model's attention, in every key mode, basis, residual window and GQA layout, the same
 perplexity, and refusals by name."""
 
@@ -11,7 +12,7 @@ from helpers import Compact, stream_logits
 
 from kvcompress import build_cache
 from kvcompress.metrics.perplexity import decode_perplexity
-from kvcompress.policies import LowRankPolicy
+from kvcompress.selectors import LowRankPolicy
 
 CASES = [
     {"keys": "post_rope", "basis": "head"},

@@ -1,4 +1,5 @@
-"""Decode attention straight from quant codes (``kvcompress.fused_quant``): the same numbers as attention over
+"""Decode attention straight from quant codes (``kvcompress.kernels.fused_quant``): the same numbers as
+attention over
 the dequantized copy, the same perplexity, the eager fallback, and a loud failure outside our attention."""
 
 from __future__ import annotations
@@ -8,11 +9,12 @@ import torch
 from conftest import kernel_or_skip, make_tiny
 from helpers import Compact
 
-from kvcompress import build_cache, fused_quant, kernels
-from kvcompress.executor import Standalone, Unserved, execute
+from kvcompress import build_cache, kernels
+from kvcompress.core.executor import Standalone, Unserved, execute
+from kvcompress.core.plan import Call, Kivi, Plan
+from kvcompress.kernels import fused_quant
 from kvcompress.metrics.perplexity import decode_perplexity
-from kvcompress.plan import Call, Kivi, Plan
-from kvcompress.storage import quantizer as Q
+from kvcompress.storage.quant import quantizer as Q
 
 
 def quantized_attention_case(bits: int, group: int, te: int = 64, tr: int = 5, d: int = 16, seed: int = 0):

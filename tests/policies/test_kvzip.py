@@ -13,11 +13,11 @@ from helpers import held_tensors
 from transformers import DynamicCache
 
 from kvcompress import build_cache, compress_context, make_policy
-from kvcompress.context_pass import Prompts, needs_context_pass, prefill, reconstruction_chunks
-from kvcompress.policies import KVzipPolicy
-from kvcompress.policies.base import ModelSpec
-from kvcompress.registry import make_storage
-from kvcompress.storage.buffers import storage_bytes
+from kvcompress.core.buffers import storage_bytes
+from kvcompress.core.policy import ModelSpec
+from kvcompress.core.registry import make_storage
+from kvcompress.runtime.context_pass import Prompts, needs_context_pass, prefill, reconstruction_chunks
+from kvcompress.selectors import KVzipPolicy
 
 D = 16
 SPEC = ModelSpec(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=D, max_positions=64)
@@ -144,7 +144,7 @@ def test_refusals_name_the_problem(model):
 def test_layers_of_other_selectors_in_a_schedule_store_none_of_the_pass(model, other):
     """A schedule mixing kvzip with another selector: the other layer sees the reconstruction as the model
     would, stores none of it and does not act on it (no scores, no eviction); the kvzip layers evict."""
-    target = "kvcompress.policies."
+    target = "kvcompress.selectors."
     budget = {"budget": 64, "compression_ratio": None} if other != "FullPolicy" else {}
     mixed = make_policy(
         {"_target_": target + "SchedulePolicy",
@@ -194,8 +194,8 @@ def test_tasks_run_the_context_pass_and_flag_a_run_that_never_got_one(char_token
 
     from omegaconf import OmegaConf
 
-    from kvcompress.tasks import niah
-    from kvcompress.tasks import perplexity as ppl_task
+    from kvcompress.harness.tasks import niah
+    from kvcompress.harness.tasks import perplexity as ppl_task
 
     llama, policy = make_tiny("llama"), make_policy("kvzip", **KVzipPolicy.TEST_PARAMS)
     text = tmp_path / "text.txt"
@@ -217,7 +217,7 @@ def test_tasks_run_the_context_pass_and_flag_a_run_that_never_got_one(char_token
 
 
 def test_the_chat_opening_is_not_reconstructed(char_tokenizer):
-    from kvcompress.context_pass import repeat_prompts
+    from kvcompress.runtime.context_pass import repeat_prompts
 
     prompts = repeat_prompts(char_tokenizer)
     assert (
@@ -230,7 +230,7 @@ def test_the_chat_opening_is_not_reconstructed(char_tokenizer):
 
 
 def test_shared_budgets_give_concentrated_layers_more_and_fit_the_total():
-    from kvcompress.policies.kvzip_budgets import shared_budgets
+    from kvcompress.selectors.eviction.kvzip_budgets import shared_budgets
 
     sharp = torch.tensor([[10.0, 9, 8, 7, 0, 0], [0, 0, 0, 0, 0, 5]])  # layer 0: two heads (H_kv, T)
     flat = torch.tensor([[1.0, 1, 0.5, 0, 0, 0], [1.0, 1, 0.5, 0, 0, 0]])
@@ -254,8 +254,8 @@ def test_model_scope_shares_the_budget_over_layers(model):
 
 
 def test_speed_counts_the_context_pass_in_the_prefill(model):
-    from kvcompress.context_pass import after_prefill
     from kvcompress.metrics import measure_speed
+    from kvcompress.runtime.context_pass import after_prefill
 
     make = lambda: build_cache("kvzip", model, **KVzipPolicy.TEST_PARAMS)  # noqa: E731
     got = measure_speed(model, _ids(40), make, 2, warmup=0, repeats=1, progress=False,

@@ -10,7 +10,7 @@ from helpers import stream_logits
 from zoo import HYBRID, make_family
 
 from kvcompress import build_cache, compress_context
-from kvcompress.policies.model_window import ModelWindowLayer
+from kvcompress.core.model_window import ModelWindowLayer
 
 KVZIP = {"compression_ratio": None, "context_chunk": 16, "sink_tokens": 2, "budget_scope": "layer"}
 IDS = torch.randint(2, 90, (1, 48), generator=torch.Generator().manual_seed(4))

@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import kernel_or_skip
 
-from kvcompress import fused_low_rank, kernels
+from kvcompress import kernels
+from kvcompress.kernels import fused_low_rank
 
 
 @pytest.fixture

@@ -7,11 +7,12 @@ import torch
 from helpers import stream_logits
 from transformers import DynamicCache
 
-from kvcompress import build_cache, calibration
-from kvcompress.cache import model_spec
+from kvcompress import build_cache
+from kvcompress.core.cache import model_spec
 from kvcompress.memory_model import predicted_bytes
-from kvcompress.policies import FullPolicy, LowRankPolicy, SchedulePolicy
-from kvcompress.storage.low_rank_bases import bases
+from kvcompress.selectors import FullPolicy, LowRankPolicy, SchedulePolicy
+from kvcompress.storage.low_rank import calibration
+from kvcompress.storage.low_rank.bases import bases
 
 HEAD_DIM = 16  # tiny models: hidden 64, 4 heads
 
@@ -110,7 +111,7 @@ def _query_scale(p, keys, layer_idx):
 
 
 def _shape(tokens, batch=1, dtype_bytes=4):
-    from kvcompress.spec import Shape
+    from kvcompress.core.spec import Shape
 
     return Shape(batch, 2, 4, HEAD_DIM, dtype_bytes, tokens, 0)
 

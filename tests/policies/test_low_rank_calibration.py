@@ -10,9 +10,9 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvcompress import build_cache
-from kvcompress.cache import make_policy
-from kvcompress.calibration_text import find_tokenizer
-from kvcompress.tasks import perplexity as ppl_task
+from kvcompress.core.cache import make_policy
+from kvcompress.harness.tasks import perplexity as ppl_task
+from kvcompress.storage.low_rank.calibration_text import find_tokenizer
 
 
 @pytest.fixture
@@ -97,7 +97,7 @@ def test_perplexity_records_the_calibration_range_and_refuses_an_overlap(user_mo
 
 
 def test_niah_refuses_a_haystack_the_calibration_read(user_model, essay, tmp_path):
-    from kvcompress.tasks import niah
+    from kvcompress.harness.tasks import niah
 
     cfg = OmegaConf.load("conf/task/niah.yaml")
     cfg.update(text=str(essay), lengths=[400], progress=False)

@@ -18,7 +18,7 @@ from transformers import (
 )
 
 from kvcompress import build_cache
-from kvcompress.policies import LowRankPolicy
+from kvcompress.selectors import LowRankPolicy
 from kvcompress.storage.rope import model_ropes
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4)

@@ -7,8 +7,8 @@ import torch
 from helpers import stream_logits
 
 from kvcompress import build_cache, make_policy
-from kvcompress.policies import FullPolicy, PyramidKVPolicy, SnapKVPolicy
-from kvcompress.policies.pyramid import pyramid_budgets, pyramid_fractions
+from kvcompress.selectors import FullPolicy, PyramidKVPolicy, SnapKVPolicy
+from kvcompress.selectors.eviction.pyramid import pyramid_budgets, pyramid_fractions
 
 
 @pytest.mark.parametrize("mean,layers,beta,reserved", [(256, 30, 20, 32), (12, 3, 4, 0), (100, 7, 2, 8)])
@@ -57,7 +57,7 @@ def test_pyramid_rejects_bad_fields():
     with pytest.raises(ValueError, match="must be an eviction policy"):
         PyramidKVPolicy(policy=FullPolicy(), budget=8)
     with pytest.raises(ValueError, match="must be an eviction policy"):
-        PyramidKVPolicy(policy={"_target_": "kvcompress.policies.FullPolicy"}, budget=8)
+        PyramidKVPolicy(policy={"_target_": "kvcompress.selectors.FullPolicy"}, budget=8)
 
 
 @pytest.mark.parametrize("apply_to", ["full_attention", "all"])
@@ -66,8 +66,8 @@ def test_apply_to_reaches_every_layer_of_the_pyramid(apply_to):
     (``full_attention``) or the inner selector inside it (``all``); the covering copy keeps the choice."""
     from zoo import HYBRID, make_family
 
-    from kvcompress.policies.model_window import ModelWindowLayer
-    from kvcompress.policies.snapkv import SnapKVLayer
+    from kvcompress.core.model_window import ModelWindowLayer
+    from kvcompress.selectors.eviction.snapkv import SnapKVLayer
 
     model = make_family("gemma3")
     policy = PyramidKVPolicy(budget=12, beta=4, apply_to=apply_to)

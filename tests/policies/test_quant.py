@@ -8,8 +8,8 @@ from conftest import make_tiny
 from helpers import held_tensors, stream_logits
 
 from kvcompress import build_cache, make_policy
-from kvcompress.policies import FullPolicy, ModelSpec, QuantPolicy
-from kvcompress.storage import quantizer as Q
+from kvcompress.selectors import FullPolicy, ModelSpec, QuantPolicy
+from kvcompress.storage.quant import quantizer as Q
 
 
 def spy_keys(layer):
@@ -129,13 +129,13 @@ def test_mixed_precision_cache_stores_each_layer_at_its_precision(llama, tokens)
     sched = make_policy(
         "mixed_precision",
         default={
-            "_target_": "kvcompress.policies.QuantPolicy",
+            "_target_": "kvcompress.selectors.QuantPolicy",
             "bits": 8,
             "group_size": 4,
             "residual_length": 4,
         },
         rules=[
-            {"layers": "0", "policy": {"_target_": "kvcompress.policies.FullPolicy"}},
+            {"layers": "0", "policy": {"_target_": "kvcompress.selectors.FullPolicy"}},
             {"layers": "-1:", "policy": QuantPolicy(bits=2, group_size=4, residual_length=4)},
         ],
     )
@@ -175,7 +175,7 @@ def _count_encoded(cache) -> list[int]:
 def test_prefill_eviction_over_channel_groups_quantizes_each_token_once(llama, tokens, selector, params):
     """A chunked prompt evicted at every chunk, then decode: no token is quantized twice (the prompt stays
     exact while it may be evicted; it used to be dequantized and quantized again at every chunk)."""
-    from kvcompress.context_pass import compress_context
+    from kvcompress.runtime.context_pass import compress_context
 
     cache = build_cache(selector, llama, storage=QUANT_CHANNEL, **params)
     encoded = _count_encoded(cache)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcompress.storage import quantizer as Q
+from kvcompress.storage.quant import quantizer as Q
 
 SCALE_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 

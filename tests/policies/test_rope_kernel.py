@@ -15,11 +15,12 @@ from test_low_rank_rope import ROPE, TINY, make
 from transformers import LlamaConfig, LlamaForCausalLM
 from zoo import make_family
 
-from kvcompress import build_cache, fused_low_rank, kernels
+from kvcompress import build_cache, kernels
+from kvcompress.kernels import fused_low_rank
 from kvcompress.metrics.memory import fixed_bytes, shared_bytes
-from kvcompress.policies import LowRankPolicy
+from kvcompress.selectors import LowRankPolicy
 from kvcompress.storage import rope_table
-from kvcompress.storage.low_rank_store import from_blocks
+from kvcompress.storage.low_rank.store import from_blocks
 from kvcompress.storage.rope import Rope, model_ropes
 
 

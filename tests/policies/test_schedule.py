@@ -6,8 +6,8 @@ import pytest
 from helpers import stream_logits
 
 from kvcompress import build_cache
-from kvcompress.policies import FullPolicy, SchedulePolicy, SlidingWindowPolicy
-from kvcompress.policies.schedule import parse_layers
+from kvcompress.selectors import FullPolicy, SchedulePolicy, SlidingWindowPolicy
+from kvcompress.selectors.schedule import parse_layers
 
 
 @pytest.mark.parametrize(
@@ -41,9 +41,9 @@ def test_schedule_without_default_must_cover_every_layer(llama):
 
 def test_schedule_from_dict_config(llama):
     sched = SchedulePolicy(
-        default={"_target_": "kvcompress.policies.FullPolicy"},
+        default={"_target_": "kvcompress.selectors.FullPolicy"},
         rules=[
-            {"layers": "-1:", "policy": {"_target_": "kvcompress.policies.SlidingWindowPolicy", "window": 3}}
+            {"layers": "-1:", "policy": {"_target_": "kvcompress.selectors.SlidingWindowPolicy", "window": 3}}
         ],
     )
     assert isinstance(sched.assignment(3)[2], SlidingWindowPolicy) and sched.assignment(3)[2].window == 3

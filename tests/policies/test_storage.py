@@ -9,8 +9,8 @@ from conftest import make_tiny
 from transformers import DynamicCache
 
 from kvcompress import build_cache
-from kvcompress.policies.base import PolicyLayer
-from kvcompress.storage.buffers import Slots, gather_pages, gather_tokens, headroom
+from kvcompress.core.buffers import Slots, gather_pages, gather_tokens, headroom
+from kvcompress.core.policy import PolicyLayer
 
 
 def _tokens(b=2, h=3, t=300, d=8, seed=0):
@@ -127,7 +127,7 @@ def test_long_decode_equals_dynamic_cache():
 def test_in_place_storage_does_not_change_eviction(policy, monkeypatch):
     """Evicting policies give the same logits with generous headroom (in-place appends after every
     eviction) as with none (a fresh buffer every step)."""
-    from kvcompress.storage import buffers as storage
+    from kvcompress.core import buffers as storage
 
     model = make_tiny("llama")
     ids = torch.randint(2, 90, (1, 120), generator=torch.Generator().manual_seed(1))

@@ -1,0 +1,96 @@
+"""The one place that hooks attention (with ``cache.py``, the only code touching transformers internals).
+
+transformers builds one mask for all layers from the first layer's sizes and the 2D padding mask. After
+eviction, per-layer budgets or per-head lengths, that mask is wrong, so a registered attention function
+``"kvcompress"`` asks each policy layer for the plan of its step (what to read, masked from the layer's own
+state), runs it with a backend (``kvcompress.core.executor``) and hands the layer what attention gave. The
+matching mask function must be registered too: without it transformers silently drops the causal mask.
+"""
+
+from __future__ import annotations
+
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+from kvcompress.core import forward_state
+from kvcompress.core.executor import execute
+from kvcompress.core.plan import Call, Dense, Plan
+from kvcompress.core.profiling import TIMER
+
+NAME = "kvcompress"
+BACKENDS = ("sdpa", "eager")
+HOOKS = "_kvcompress_hooks"  # the model attribute holding install()'s hook handles
+
+
+def _take_layer(module, kwargs: dict):
+    """The policy layer that just stored this module's keys (this forward's own state), or None."""
+    state = kwargs.pop(forward_state.KEY, None)
+    return None if state is None else state.take(getattr(module, "layer_idx", -1))
+
+
+def backend_of(config) -> str:
+    return getattr(config, "kvcompress_backend", "sdpa")
+
+
+def kvcompress_mask(*args, attention_mask=None, config=None, **kwargs):
+    """Mask function: the backend's usual mask (policy layers mask from their own state instead; the
+    forward's padding reaches them through ``forward_state``)."""
+    fn = eager_mask if backend_of(config) == "eager" else sdpa_mask
+    return fn(*args, attention_mask=attention_mask, config=config, **kwargs)
+
+
+def kvcompress_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention function registered as ``"kvcompress"``: query (B, H, q, D), key/value (B, H_kv, T, D).
+
+    The layer that stored this module's keys turns its step into a ``Plan`` (what attention reads), the
+    executor runs it with a backend that serves it, and the layer finishes its step with what attention
+    gave (its selector's scores). Without a kvcompress layer the plan is the dense read of ``key``/``value``.
+    """
+    layer = _take_layer(module, kwargs)
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    call = Call(module, query, scaling, kwargs, backend_of(module.config), dropout)
+    if layer is None:
+        return execute(Plan(Dense(key, value, attention_mask)), call)[0], None
+    with TIMER.measure():
+        plan = layer.plan(query, key, value)
+    out, probs, ran = execute(plan, call)
+    layer.attended(plan, call, out, probs, ran)
+    return out, None
+
+
+def register() -> None:
+    """Register the attention and mask functions (idempotent)."""
+    AttentionInterface.register(NAME, kvcompress_attention)
+    AttentionMaskInterface.register(NAME, kvcompress_mask)
+
+
+def install(model) -> None:
+    """Route ``model``'s attention through ``"kvcompress"``, keeping its sdpa/eager kernel as the backend, and
+    hook its forward (and its base model's) so each forward hands its cache a fresh ``ForwardState``."""
+    register()
+    current = model.config._attn_implementation
+    if current != NAME:
+        model.config.kvcompress_backend = current if current in BACKENDS else "sdpa"
+        model.set_attn_implementation(NAME)
+    if not getattr(model, HOOKS, None):
+        modules = {id(m): m for m in (model, getattr(model, "base_model", model))}.values()
+        handles = [m.register_forward_pre_hook(forward_state.pre_hook, with_kwargs=True) for m in modules]
+        setattr(model, HOOKS, handles)
+
+
+def uninstall(model) -> None:
+    """Undo ``install``: the model's own attention implementation again, no hooks (caches built for it then
+    stop working with it)."""
+    for handle in getattr(model, HOOKS, None) or ():
+        handle.remove()
+    setattr(model, HOOKS, None)
+    if model.config._attn_implementation == NAME:
+        model.set_attn_implementation(backend_of(model.config))
+
+
+def set_backend(model, backend: str) -> None:
+    """Choose the kernel behind ``"kvcompress"``: ``"sdpa"`` (default) or ``"eager"``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend={backend!r} is not supported; allowed: {list(BACKENDS)}")
+    install(model)
+    model.config.kvcompress_backend = backend

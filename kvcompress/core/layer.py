@@ -1,0 +1,375 @@
+"""The cache layer every selector builds: a transformers ``CacheLayerMixin`` over a storage ``Store``.
+
+It keeps what all selectors share: tokens consumed (``seen``, the absolute position of the next token),
+the validity of stored tokens once padding appears, eviction counts, and the selector's own per-token
+and per-row tensors (named in ``per_token`` / ``per_row``, moved with every eviction and beam reorder).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from kvcompress.core import forward_state
+from kvcompress.core.buffers import Slots, storage_bytes, writing
+from kvcompress.core.context_mode import ContextPassMode
+from kvcompress.core.fused import window_scores
+from kvcompress.core.layer_attention import LayerAttention
+from kvcompress.core.masks import cat_valid
+
+
+class PolicyLayer(LayerAttention, ContextPassMode, CacheLayerMixin):
+    """Stores every token (the ``full`` selector). Subclasses select in ``compress()`` (after the step's
+    tokens are appended) or in ``observe_attention()`` (after attention, when ``wants_scores``)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+    wants_scores = False
+    order_free = False  # True: no decision depends on stored order, so evicting one token may reorder
+    needs_positions = False  # track each stored token's absolute position (``pos``) even on full layers
+    contiguous = False  # stored tokens are always the latest ones in order (positions need no tracking)
+    per_token: tuple[str, ...] = ()  # (B, 1 or H_kv, T) tensors aligned with the stored tokens
+    per_row: tuple[str, ...] = ()  # (B, ...) tensors
+    deferred = False  # this step's attention reads the store's compact form (``plan``), not a dense copy
+    probe = None  # a fidelity probe watching this layer (``watch``), or None
+    read_pos: torch.Tensor | None = None  # (B, 1 or H_kv, T) positions this step's attention reads (probed)
+    probe_only_pos = False  # ``pos`` is tracked only for the probe: not the policy's bytes
+
+    def __init__(self, policy, layer_idx: int, spec, store):
+        self.is_initialized = (
+            False  # CacheLayerMixin.__init__ would assign keys/values, which live in the store
+        )
+        self.policy, self.layer_idx, self.spec, self.store = policy, layer_idx, spec, store
+        self.valid: torch.Tensor | None = None  # (B, 1 or H_kv, T) bool; None = no padding stored
+        self.window, self.chunked = spec.window(layer_idx), spec.chunked(layer_idx)  # the model's own
+        self.track = self.needs_positions or (self.window is not None and not self.contiguous)
+        self.pos: torch.Tensor | None = None  # (B, 1 or H_kv, T) int32 absolute positions, when tracked
+        self.left_pad: torch.Tensor | None = None  # (B,) leading padding of each row (chunked layers)
+        # a prefill-time selector over a store that cannot evict encoded tokens exactly encodes nothing on a
+        # multi-token step (``end_step``): every token is encoded once, after its last chance of eviction
+        self.encodes_late = policy.evicts == "prefill" and not store.keeps_exactly
+        self.step_tokens = 0  # tokens of the step being stored
+        self.in_context_pass, self.pass_valid = False, None  # ContextPassMode
+        self.seen = self.evicted = 0
+        self.tokens_read, self.tokens_visible = 0, 0  # over steps: read by the last query / by the model's
+        self.backends_ran: dict[str, int] = {}  # attention backend -> steps it ran (``executor``)
+        self.reads_ran: dict[str, int] = {}  # read form (dense, kivi, latent, pages) -> steps
+        self._view: tuple[int, torch.Tensor | None] | None = None
+        self.slots = Slots()  # buffers of per-token state (``pos``, ``per_token``) this layer grows in place
+        for name in self.per_token + self.per_row:
+            setattr(self, name, None)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.is_initialized = True
+
+    # -- the transformers contract -------------------------------------------------------------
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Store this step's keys/values (B, H_kv, q, D); return what this step's attention must see."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.in_context_pass:  # a reconstruction step of the context pass: nothing is stored
+            return self.pass_update(key_states, value_states, kwargs.get("forward"))
+        if self.deferred:  # the last step's attention never came: end that step now
+            self.read_deferred()
+        if self.probe is not None:
+            self.probe.stored(self, key_states, value_states)
+        b, _, q, _ = key_states.shape
+        new_valid = forward_state.validity(kwargs.get("forward"), b, q, key_states.device)
+        self.on_append(key_states, new_valid)
+        if self.seen == 0 and self.chunked:
+            self.left_pad = _leading_padding(new_valid, b, key_states.device)
+        self.valid = cat_valid(self.valid, new_valid, self.stored_length(), b, q, key_states.device)
+        if self.track:
+            self.pos = _cat_positions(self.slots, self.pos, self.seen, b, q, key_states.device)
+        self.store.append(key_states, value_states, kwargs.get("positions"))  # model's position_ids or None
+        self.seen, self.step_tokens = self.seen + q, q
+        if self._defers(q):
+            self.deferred, self._view = True, (self.stored_length(), None, None)
+            return _unread(key_states, self.stored_length()), _unread(value_states, self.stored_length())
+        keys, values = self.store.read()
+        self._view = (keys.shape[-2], self.valid, None if self.probe_only_pos else self.pos)
+        if self.probe is not None:  # before compress: the positions of what this step's attention reads
+            self.read_pos = self.pos
+        self.compress(keys, values)
+        if not self.wants_scores:
+            self.end_step()
+        return keys, values
+
+    def _defers(self, q: int) -> bool:
+        """Whether this step's attention can read the store's codes: one unpadded decode query on a
+        full-attention layer whose selector neither looks at nor narrows what is read."""
+        plain = type(self).compress is PolicyLayer.compress and type(self).attend is PolicyLayer.attend
+        simple = q == 1 and self.valid is None and self.window is None and not self.wants_scores
+        return plain and simple and self.probe is None and self.store.attends_codes()  # a probe reads K/V
+
+    def read_deferred(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A deferred step's dense keys/values (B, H_kv, T, D), when its attention cannot read codes."""
+        self.deferred = False
+        keys, values = self.store.read()
+        self.end_step()  # after the read: this step's attention still sees its tokens unquantized
+        return keys, values
+
+    def settle(self) -> None:
+        """Carry out work a step left for the next look at the layer (an eviction its attention still read);
+        called before the layer is copied or saved."""
+
+    def end_step(self) -> None:
+        """After the step's last decision: the storage compresses what waited (quantize, project); with
+        ``encodes_late``, only after a one-token step (the prompt's parts stay exact while they may be
+        evicted: KIVI's per-channel key groups would otherwise be quantized again at every eviction)."""
+        if not (self.encodes_late and self.step_tokens > 1):
+            self.store.flush(self.valid)
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    # -- positions, for diagnostics ---------------------------------------------------------------
+    def watch(self, probe) -> None:
+        """Attach ``probe`` (``kvcompress.metrics.fidelity``): ``update`` hands it each step's exact keys and
+        values, the attention function what attention read. Turns on position tracking (int32 per stored
+        token; not counted in ``memory_bytes`` when only the probe needs it). Only before the first token."""
+        if self.seen and not self.track:
+            raise ValueError(
+                f"layer {self.layer_idx}: watch() before the first update (positions of evicted tokens "
+                "are not known afterwards)"
+            )
+        self.probe, self.probe_only_pos, self.track = probe, not self.track, True
+
+    def positions(self) -> torch.Tensor:
+        """Absolute positions (B, 1 or H_kv, T) int32 of the stored tokens, per row and head (padding slots
+        hold the position they were consumed at). Needs tracking: a policy that uses them, or ``watch``."""
+        if not self.track:
+            raise ValueError(
+                f"{type(self).__name__} does not track positions; call watch() before the first update"
+            )
+        if self.pos is None:
+            return torch.zeros(1, 1, 0, dtype=torch.int32)
+        return self.pos
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        stored = self.stored_length()
+        return stored + query_length, self.seen - stored
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.store.reset()
+        self.valid = self._view = self.pos = self.left_pad = None
+        self.seen = self.evicted = 0
+        self.tokens_read, self.tokens_visible = 0, 0
+        self.backends_ran, self.reads_ran = {}, {}
+        self.deferred = False
+        for name in self.per_token + self.per_row:
+            setattr(self, name, None)
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.store.reorder(beam_idx)
+        for name in ("valid", "pos", "left_pad", *self.per_token, *self.per_row):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, beam_idx.to(t.device)))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot roll back tokens (assisted decoding)")
+
+    # -- selection ------------------------------------------------------------------------------
+    def on_append(self, key_states: torch.Tensor, new_valid: torch.Tensor | None) -> None:
+        """Before the step's tokens (B, H_kv, q, D) are stored: grow the selector's own state."""
+
+    def compress(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Select after a step's tokens were appended; ``keys``/``values`` (B, H_kv, T, D) are what this
+        step's attention reads (sliding windows, page summaries)."""
+
+    def stored_length(self) -> int:
+        return self.store.length
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The store's full-precision keys (B, H_kv, T, D): all of them for dense storage, the residual
+        window for quant and low_rank."""
+        return self.store.keys
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self.store.values
+
+    def keep(self, idx: torch.Tensor, is_sorted: bool = False) -> torch.Tensor:
+        """Keep only the tokens ``idx`` (B, 1 or H_kv, k); the storage frees the others.
+
+        Returns the kept indices in stored order (``idx`` sorted unless ``is_sorted`` says it already is).
+        """
+        before = self.stored_length()
+        idx = idx if is_sorted else idx.sort(dim=-1).values
+        self.store.keep(idx)
+        for name in (
+            "valid",
+            "pos",
+            *self.per_token,
+        ):  # shared (B, 1, T) ones turn per head when heads differ
+            t = getattr(self, name)
+            if t is not None:
+                h = max(t.shape[1], idx.shape[1])
+                setattr(self, name, t.expand(-1, h, -1).gather(-1, idx.expand(t.shape[0], h, -1)))
+        self.evicted += before - idx.shape[-1]
+        return idx
+
+    def drop_one(self, slot: torch.Tensor) -> bool:
+        """Evict token ``slot`` (B, 1 or H_kv, 1) of every row and head by moving the newest token into its
+        place (stored order not kept: only for ``order_free`` selectors). False, doing nothing, when the
+        storage cannot do it in place or padding is stored."""
+        if self.valid is not None or not self.store.drop_one(slot):
+            return False
+        self.move_newest(slot, ("pos", *self.per_token))
+        self.evicted += 1
+        return True
+
+    def move_newest(self, slot: torch.Tensor, names: tuple[str, ...]) -> None:
+        """The per-token tensors ``names`` (B, 1 or H_kv, T) follow a store's ``drop_one``: the newest entry
+        moves to ``slot`` (B, 1 or H_kv, 1) and the last one goes. In place, under the tensor's own inference
+        mode (an eviction may be settled after the forward)."""
+        for name in names:
+            x = getattr(self, name)
+            if x is None:
+                continue
+            if x.shape[1] < slot.shape[1]:
+                x = x.expand(-1, slot.shape[1], -1).clone()  # per-row positions turn per head
+            t = x.shape[-1]
+            with writing(x):
+                x.scatter_(-1, slot.expand(-1, x.shape[1], -1), x[..., t - 1 :].clone())
+            setattr(self, name, x[..., : t - 1])
+
+    def keep_spans(self, spans: list[tuple[int, int]]) -> None:
+        """Keep only the token ranges ``[a, b)`` (the same slots in every row and head)."""
+        before = self.stored_length()
+        self.store.keep_spans(spans)
+        for name in ("valid", "pos", *self.per_token):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, torch.cat([t[..., a:b] for a, b in spans], dim=-1))
+        self.evicted += before - self.stored_length()
+
+    # -- bytes and counters ---------------------------------------------------------------------
+    def tensors(self) -> list[torch.Tensor]:
+        own = [getattr(self, name) for name in (*self.per_token, *self.per_row)]
+        pos = None if self.probe_only_pos else self.pos  # a probe's positions are not the policy's bytes
+        return [*self.store.tensors(), self.valid, pos, self.left_pad, *own]
+
+    def memory_bytes(self) -> int:
+        return storage_bytes(self.tensors())
+
+    def stats(self) -> dict:
+        return {
+            "layer": self.layer_idx,
+            "policy": self.policy.name,
+            "selector": self.policy.selector,
+            "tokens_seen": self.seen,
+            "tokens_stored": self.stored_length(),
+            "tokens_evicted": self.evicted,
+            "tokens_read": float(self.tokens_read),
+            "tokens_visible": self.tokens_visible,
+            "attention_backends": dict(self.backends_ran),
+            "attention_reads": dict(self.reads_ran),
+            "bytes": self.memory_bytes(),
+            **self.store.stats(),
+        }
+
+    # -- attention ------------------------------------------------------------------------------
+    def attend(self, query, key, value):
+        """What this step's query (B, H, q, D) reads: keys/values (B, H_kv, T, D) and a mask."""
+        self.count_read(key.shape[-2])
+        return key, value, self.attention_mask(query.shape[2])
+
+    def count_read(self, tokens) -> None:
+        """Add a step to the read counters: ``tokens`` its last query read (an int, or a device tensor: the
+        mean over rows and KV heads, read on the host only by ``stats``), at most what the model's own
+        attention would read then (``visible``), which adds to ``tokens_visible``. ``full`` reads all it
+        may: its ``tokens_read`` equals ``tokens_visible`` on every family (``metrics.compression``). The
+        forwards of a context pass are not steps of the sequence: not counted."""
+        if self.in_context_pass:
+            return
+        visible = self.visible()
+        read = tokens.clamp(max=visible) if isinstance(tokens, torch.Tensor) else min(tokens, visible)
+        self.tokens_read, self.tokens_visible = self.tokens_read + read, self.tokens_visible + visible
+
+    def visible(self) -> int:
+        """Tokens the model's own attention lets the step's last query read: everything consumed, or its
+        window (sliding: the last ``window``; chunked: those of its chunk, counted without padding)."""
+        if self.window is None:
+            return self.seen
+        if self.chunked:
+            return (self.seen - 1) % self.window + 1
+        return min(self.seen, self.window)
+
+    def observe_attention(self, query, key, scaling: float, probs=None) -> None:
+        """Called after attention when ``wants_scores``. ``probs`` (B, H_kv, 1, T) are the decode step's
+        attention probabilities when the attention function already computed them, else None."""
+
+    def scores(self, query, key, scaling: float, window: int, probs=None) -> torch.Tensor:
+        """Attention of the last ``window`` queries (B, H_kv, w, T), reusing ``probs`` when they are it."""
+        w = min(window, query.shape[2])
+        if probs is not None and w == probs.shape[2] and self.valid is None:
+            return probs
+        return window_scores(query[:, :, -w:], key, scaling, self.valid)
+
+    def attention_mask(self, q: int) -> torch.Tensor | None:
+        """Boolean mask (B or 1, 1 or H_kv, q, T) for what ``update`` returned, or None for plain causal.
+
+        Causal by absolute position, within the model's own window (sliding or chunked) on windowed layers,
+        and never on padding; a padding query (all masked) may see everything to avoid NaN rows.
+        """
+        total, valid, pos = self._view
+        self._view = (total, None, None)  # drop the transient references
+        windowed = self.window is not None and (self.chunked or total > self.window)
+        if valid is None and not windowed and (q == 1 or q == total):
+            return None
+        qpos = (self.seen - q + torch.arange(q, device=self.device)).view(1, 1, q, 1)  # absolute positions
+        # untracked positions: the stored tokens read as the latest ones, which is exact for what the mask
+        # needs on a full-attention layer (all older tokens precede the step's queries)
+        if pos is None:
+            kpos = torch.arange(self.seen - total, self.seen, device=self.device).view(1, 1, 1, -1)
+        else:
+            kpos = pos[:, :, None, :]  # (B, h, 1, T)
+        mask = kpos <= qpos  # (B or 1, h, q, T)
+        if windowed:
+            mask = mask & self._window_mask(kpos, qpos)
+        if valid is not None:
+            mask = mask & valid[:, :, None, :]
+            mask = mask | ~mask.any(-1, keepdim=True)  # padding queries: avoid all-masked rows (NaN)
+        return mask
+
+    def _window_mask(self, kpos, qpos):
+        """The model's own window: ``kv > q - window`` (sliding) or the same chunk after left padding."""
+        if not self.chunked:
+            return kpos > qpos - self.window
+        pad = 0 if self.left_pad is None else self.left_pad.view(-1, 1, 1, 1)
+        return torch.div(kpos - pad, self.window, rounding_mode="floor") == torch.div(
+            qpos - pad, self.window, rounding_mode="floor"
+        )
+
+
+def _unread(states: torch.Tensor, total: int) -> torch.Tensor:
+    """What ``update`` returns for a deferred step: NaN (B, H_kv, total, D) without storage, so attention
+    that is not kvcompress's (which reads the store itself) fails loudly instead of reading a stale copy."""
+    b, h, _, d = states.shape
+    return torch.full((1, 1, 1, 1), float("nan"), dtype=states.dtype, device=states.device).expand(
+        b, h, total, d
+    )
+
+
+def _leading_padding(new_valid, batch: int, device) -> torch.Tensor:
+    """Left padding of each row (B,) from the first forward's validity (B, q), zeros without padding."""
+    if new_valid is None:
+        return torch.zeros(batch, dtype=torch.long, device=device)
+    return (new_valid.long().cumsum(-1) == 0).sum(-1)
+
+
+def _cat_positions(slots, old, seen: int, batch: int, q: int, device) -> torch.Tensor:
+    """Absolute positions (B, h, T + q) int32: the stored ones, then ``seen .. seen + q - 1`` (in place in
+    the layer's ``slots`` when there is room)."""
+    h = 1 if old is None else old.shape[1]
+    new = torch.arange(seen, seen + q, dtype=torch.int32, device=device).expand(batch, h, q)
+    return new.clone() if old is None else slots.grow("pos", old, new)

@@ -1,0 +1,121 @@
+"""What one layer's attention must read this step, as data: the plan a layer hands the executor.
+
+A layer never calls a kernel. Its step yields a ``Plan``: one read (``Dense`` key/value views and a mask,
+``Kivi`` packed codes plus the residual window, ``Latent`` low-rank parts, or ``Pages`` of a cache read in
+place), the query probabilities its selector needs afterwards (``probs``), and, for a compact read, how to
+make it dense when no backend serves it. ``kvcompress.core.executor`` picks a backend
+(``kvcompress.kernels.backends``)
+that declares support for the plan and runs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+PROBS = ("none", "last")  # none: the selector reads no scores; last: the decode query's, per KV group
+
+
+@dataclass(frozen=True)
+class Dense:
+    """Key/value views (B, H_kv, T, D) and a boolean mask (B or 1, 1 or H, q, T), None for plain causal."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    mask: torch.Tensor | None
+
+    form = "dense"
+    required = False
+
+
+@dataclass(frozen=True)
+class Kivi:
+    """KIVI packed codes (``storage.quant``): key (codes, scales, zeros) per channel, values per token, then
+    the residual window (B, H_kv, Tr, D) in full precision. ``mode`` is ``quant.fused_attention``."""
+
+    keys: tuple
+    values: tuple
+    key_res: torch.Tensor
+    value_res: torch.Tensor
+    bits: int
+    group: int
+    mode: str
+
+    form = "kivi"
+
+    @property
+    def required(self) -> bool:
+        """``fused_attention: kernel`` asks for the C++ kernel: no dense copy instead."""
+        return self.mode == "kernel"
+
+
+@dataclass(frozen=True)
+class Latent:
+    """A store that attends from its own parts (low-rank latents): ``key_logits(q)`` for scaled queries
+    (B, H_kv, n, D) float32 gives logits (B, G, g * n, T); ``value_output(probs)`` the output
+    (B, H_kv, n, D). The parts are the store's functions and choose their own C++ kernels on a CPU
+    (``kvcompress.kernels.fused_low_rank``): the one compact read whose kernels are not a backend's yet."""
+
+    key_logits: Callable
+    value_output: Callable
+    kv_heads: int
+
+    form = "latent"
+    required = False
+
+
+@dataclass(frozen=True)
+class Pages:
+    """Quest's chosen pages read where they lie: ``pages`` (B, H_kv, k) ascending, the newest last, of key
+    and value (B, H_kv, T, D) whose first ``total`` slots are stored, pages of ``block`` tokens."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    pages: torch.Tensor
+    block: int
+    total: int
+
+    form = "pages"
+    required = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One step's attention: its ``read``, the ``probs`` its selector needs (``PROBS``), and for a compact
+    read ``dense()``, the same tokens as a ``Dense`` read, used when no backend serves the compact form
+    (None: the compact form is ``required``, so a plan no backend serves is refused). ``grouped``: the
+    layer's decode query attends in the grouped form of the eviction layers where a backend offers it, so
+    equal kept tokens give equal outputs across selectors."""
+
+    read: Dense | Kivi | Latent | Pages
+    probs: str = "none"
+    grouped: bool = False
+    dense: Callable[[], Dense] | None = None
+    done: Callable[[], None] | None = None  # after a compact read ran: the layer ends its step
+
+    @property
+    def form(self) -> str:
+        return self.read.form
+
+
+@dataclass(frozen=True)
+class Call:
+    """What the model's attention module asks besides the plan: the query (B, H, q, D), the softmax scale,
+    the module and its keyword arguments, and the backend the model was installed with."""
+
+    module: object
+    query: torch.Tensor
+    scaling: float
+    kwargs: dict
+    configured: str
+    dropout: float = 0.0
+
+    @property
+    def plain(self) -> bool:
+        """Plain softmax attention: no training dropout, logit soft-capping or learned sinks (``s_aux``)."""
+        module = self.module
+        if module.training or getattr(module.config, "attn_logit_softcapping", None) is not None:
+            return False
+        return self.kwargs.get("s_aux") is None and getattr(module, "sinks", None) is None

@@ -1,0 +1,120 @@
+"""Results are data: one JSON record per run (config, environment, metrics), written atomically."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+RESULTS_FILE = "results.json"
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the repository root in a source checkout
+
+
+def _git(root: Path, *args: str) -> str | None:
+    """Output of ``git -C root args``, or None when git is missing, fails or times out."""
+    try:
+        out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def _repo_root(root: Path) -> Path | None:
+    """``root`` when it is the top of a git work tree (not a folder inside some other repository)."""
+    top = _git(root, "rev-parse", "--show-toplevel")
+    return root if top and Path(top.strip()).resolve() == root.resolve() else None
+
+
+def git_commit(root: Path = PACKAGE_ROOT) -> str | None:
+    """The commit checked out in kvcompress's own repository, or None (no git, installed wheel)."""
+    if _repo_root(root) is None:
+        return None
+    return (_git(root, "rev-parse", "HEAD") or "").strip() or None
+
+
+def _dirty_hash(root: Path, package: str) -> str | None:
+    """Short hash of the uncommitted changes under ``package/`` (diff + untracked files), None if clean."""
+    diff = _git(root, "diff", "HEAD", "--", package) or ""
+    untracked = (_git(root, "ls-files", "--others", "--exclude-standard", "--", package) or "").split()
+    digest = hashlib.sha256(diff.encode())
+    for name in sorted(untracked):  # a new module changes behaviour as much as an edited one
+        digest.update(name.encode() + b"\0" + (root / name).read_bytes())
+    return digest.hexdigest()[:12] if diff or untracked else None
+
+
+def code_version(root: Path = PACKAGE_ROOT, package: str = "kvcompress") -> dict:
+    """The code that produced a record: ``{"commit", "dirty_hash"}``.
+
+    ``dirty_hash`` is a short hash of the uncommitted diff (and untracked files) of ``package/``, None
+    when that is clean. Both are None when git or the repository is missing (an installed wheel): such
+    a version is unknown, and ``resume=true`` reruns records of an unknown version.
+    """
+    commit = git_commit(root)
+    return {"commit": commit, "dirty_hash": _dirty_hash(root, package) if commit else None}
+
+
+def machine() -> dict:
+    """The hardware a number came from: CPU model, logical cores and memory (no host name)."""
+    info = {"processor": platform.machine(), "cpu_count": os.cpu_count()}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        info["cpu"] = next(
+            ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        info["cpu"] = platform.processor() or None
+    try:
+        info["memory_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        info["memory_bytes"] = None
+    return info
+
+
+def command_line(argv: list[str] | None = None, overrides: list[str] | None = None) -> str:
+    """The one command that reruns this record: ``kvcompress`` with the run's own overrides when Hydra
+    gave them (in a sweep, this run's point, not the whole sweep), else the process's arguments."""
+    import shlex
+
+    args = overrides if overrides is not None else list(sys.argv[1:] if argv is None else argv)
+    return " ".join(["kvcompress", *(shlex.quote(a) for a in args)])
+
+
+def environment(model=None) -> dict:
+    """Versions, commit, device and threads: what is needed to reproduce a number."""
+    import transformers
+
+    import kvcompress
+
+    env = {
+        "kvcompress": kvcompress.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "git_commit": git_commit(),
+        "threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "machine": machine(),
+    }
+    if model is not None:
+        env["device"] = str(model.device)
+        env["dtype"] = str(model.dtype).removeprefix("torch.")
+        if model.device.type == "cuda":
+            env["device_name"] = torch.cuda.get_device_name(model.device)
+    return env
+
+
+def load_record(run_dir: Path) -> dict | None:
+    path = Path(run_dir) / RESULTS_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None

@@ -1,0 +1,110 @@
+"""Sweeps that resume and report: skip runs already done, collect a finished multirun into tables/plots.
+
+``kvcompress -m ...`` writes each run to ``multirun/<sweep_name>/<overrides>/results.json``: the folder
+depends only on the sweep name and the run's overrides, so the same command started again finds every
+record. A record counts as done when its status is ``ok``, its config equals the new run's config and
+(with the default ``resume=true``) it was written by the same code version (``results.code_version``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from kvcompress.harness.results import code_version, load_record
+
+# Keys that do not change what a run measures: a resumed sweep may log elsewhere or be renamed.
+IGNORED_KEYS = ("logger", "resume", "sweep_name")
+
+
+def run_dirname(overrides: str, max_len: int = 120) -> str:
+    """Folder name of a sweep run from Hydra's ``override_dirname``: ``/`` made safe, long names hashed."""
+    name = overrides.replace("/", "_") or "default"
+    if len(name) > max_len:
+        name = name[: max_len - 9] + "-" + hashlib.sha1(name.encode()).hexdigest()[:8]
+    return name
+
+
+def _comparable(config: dict) -> dict:
+    plain = json.loads(json.dumps(config, default=str))  # what results.json holds after a round trip
+    return {k: v for k, v in plain.items() if k not in IGNORED_KEYS}
+
+
+RESUME_MODES = {
+    "true": "reuse ok records of the same config and code version (default)",
+    "false": "always rerun",
+    "any": "reuse ok records of the same config, even from other code versions",
+}
+
+
+def resume_mode(value) -> str:
+    """``resume`` as one of ``RESUME_MODES`` (YAML/CLI give booleans for true/false); errors name them."""
+    mode = str(value).lower() if isinstance(value, (bool, str)) else None
+    if mode not in RESUME_MODES:
+        allowed = "; ".join(f"{k}: {v}" for k, v in RESUME_MODES.items())
+        raise ValueError(f"resume={value!r} is not allowed; allowed values: {allowed}")
+    return mode
+
+
+def _version_mismatch(recorded, current) -> str | None:
+    """Why a record of code version ``recorded`` may not stand for ``current``, or None if it may."""
+    if not current or not current.get("commit"):
+        return "the current code version is unknown (no git checkout)"
+    if not recorded or not recorded.get("commit"):
+        return "the record carries no code version (written by older kvcompress, or without git)"
+    if recorded != current:
+        return f"it was written by code version {recorded}, the code is now {current}"
+    return None
+
+
+def completed_record(out_dir: Path, config: dict, resume=True, version: dict | None = None) -> dict | None:
+    """The ``ok`` record in ``out_dir`` if ``resume`` allows reusing it for ``config``, else None (run it).
+
+    Args:
+        resume: ``true`` (same config and code version), ``false`` (never reuse) or ``any`` (same config).
+        version: the current ``code_version()`` (computed when None), compared with the record's.
+    """
+    mode = resume_mode(resume)
+    record = load_record(out_dir) if mode != "false" else None
+    if record is None or record.get("status") != "ok":
+        return None
+    if _comparable(record.get("config", {})) != _comparable(config):
+        print(f"[kvcompress] {out_dir}: config changed since the recorded run; running it again")
+        return None
+    why = _version_mismatch(record.get("code_version"), version or code_version())
+    if why and mode == "true":
+        print(f"[kvcompress] {out_dir}: ok record not reused: {why}; running it again (resume=any reuses it)")
+        return None
+    if why:
+        print(f"[kvcompress] {out_dir}: resume=any reuses the ok record although {why}")
+    return record
+
+
+class CollectCallback(Callback):
+    """Hydra callback: at the end of a multirun, one table + plots from the sweep's records.
+
+    Exits with status 1 after collecting if any run failed (Hydra turns callback exceptions into
+    warnings, so the exit is explicit).
+    """
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        from kvcompress.harness.loggers import make_logger
+        from kvcompress.harness.summary import summarize
+
+        sweep_dir = Path(config.hydra.sweep.dir)
+        summary = summarize(sweep_dir)
+        if summary is None:
+            return
+        print(summary["markdown"])
+        print("[kvcompress] wrote " + ", ".join(str(p) for p in summary["files"]))
+        make_logger(config.get("logger")).log_sweep(summary, sweep_dir)
+        failed = [r["run_dir"] for r in summary["records"] if r.get("status") != "ok"]
+        if failed:
+            print(f"[kvcompress] {len(failed)} run(s) did not finish ok (see results.json):", file=sys.stderr)
+            print("\n".join(failed), file=sys.stderr)
+            raise SystemExit(1)

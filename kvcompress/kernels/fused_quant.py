@@ -1,0 +1,137 @@
+"""Decode attention straight from KIVI's packed codes: no dequantized copy of the cache is ever made.
+
+Keys are quantized per channel (``G`` tokens share a scale ``s`` and zero ``z`` per channel), values per
+token (``G`` channels of a token share them). With ``k_td = z_nd + s_nd c_td`` (``n = t // G``) a query's
+logit is ``q . k_t = sum_d (q_d s_nd) c_td + sum_d q_d z_nd``: the key scales fold into one scaled query
+per token group, the zero points into one constant per group. With ``v_td = z_tj + s_tj c_td``
+(``j = d // G``) the output is ``sum_t (p_t s_tj) c_td + sum_t p_t z_tj``: the value scales fold into the
+probabilities. Both sums run bit plane by bit plane over the packed bytes (``quantizer.pack``'s block
+layout), then the residual window (full precision) joins the same softmax.
+
+The sums are written as plain tensor code: ``torch.compile`` fuses unpacking, scaling and reduction into
+one loop over the bytes (C++/OpenMP on CPU, Triton on GPU), compiled once for every length (dynamic
+shapes). Where compile is unavailable the eager form runs the same sums through ``matmul`` (no
+broadcast temporaries); the two agree to float32 rounding. On a CPU, a hand-written kernel
+(``kvcompress.kernels``, ``fused_attention: kernel``, what ``auto`` picks there when it builds) runs the
+same sums in blocks of 16 tokens from the bytes (the forms' speeds: experiments/fused/README.md). Which
+form runs is the attention backends' choice (``kvcompress.kernels.backends``: ``cpu`` for the kernel,
+``torch`` for the tensor forms).
+Liu et al., KIVI, arXiv 2402.02750.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from kvcompress import kernels
+
+MODES = ("auto", "kernel", "compile", "eager", "off")
+IMPLS = ("matmul", "fused", "kernel")  # eager tensor form, the form torch.compile fuses, the C++ kernel
+COMPILE_MIN_TOKENS = 1024  # "auto": below this a compiled call's fixed cost outweighs its gain
+_COMPILED: dict[str, object] = {}  # "fn" -> the compiled attention, or None once compile failed
+
+
+def _plane(codes: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+    """Codes of channel block ``k`` (..., W) as float32, from packed bytes (..., W)."""
+    per, mask = 8 // bits, (1 << bits) - 1
+    x = codes >> (bits * k) if k else codes
+    return (x & mask if k < per - 1 else x).float()
+
+
+def key_logits(q, codes, scale, zero, bits: int, group: int, fused: bool) -> torch.Tensor:
+    """``q . k_t`` for every quantized key: q (B, H_kv, g, D) float32; codes (B, H_kv, Te, D * bits / 8);
+    scale, zero (B, H_kv, Te / G, D). Returns (B, H_kv, g, Te) float32."""
+    b, h, g, d = q.shape
+    te, per = codes.shape[2], 8 // bits
+    n, w = te // group, d // per
+    qs = q[:, :, :, None, :] * scale.float()[:, :, None]  # (B, H_kv, g, Te/G, D): scales folded in
+    out = torch.matmul(zero.float()[:, :, None], q[..., None])  # (B, H_kv, g, Te/G, 1): the zero points
+    for k in range(per):
+        qk = qs[..., k * w : (k + 1) * w]  # (B, H_kv, g, Te/G, W)
+        c = _plane(codes, bits, k).view(b, h, 1, n, group, w)
+        if fused:  # one reduction over the bytes (token-major output, so it vectorises over tokens)
+            out = out + (c.transpose(-1, -2) * qk[..., None]).sum(-2)
+        else:  # (B, H_kv, Te/G, G, W) @ (B, H_kv, Te/G, W, g)
+            out = out + torch.matmul(c[:, :, 0], qk.permute(0, 1, 3, 4, 2)).permute(0, 1, 4, 2, 3)
+    return out.reshape(b, h, g, te)
+
+
+def value_output(p, codes, scale, zero, bits: int, group: int, fused: bool) -> torch.Tensor:
+    """``sum_t p_t v_t`` over the quantized values: p (B, H_kv, g, Te) float32; codes (B, H_kv, Te,
+    D * bits / 8); scale, zero (B, H_kv, Te, D / G). Returns (B, H_kv, g, D) float32."""
+    b, h, g, te = p.shape
+    per = 8 // bits
+    d = codes.shape[-1] * per
+    w = d // per
+    ps = p[..., None] * scale.float()[:, :, None]  # (B, H_kv, g, Te, D/G): scales folded into p
+    blocks = []
+    for k in range(per):
+        c = _plane(codes, bits, k)  # (B, H_kv, Te, W)
+        first, m = k * w // group, max(1, w // group)  # groups of this block, G channels (or W) each
+        pk = ps[..., first : first + m]  # (B, H_kv, g, Te, m)
+        cg = c.view(b, h, te, m, w // m)
+        if fused:
+            blocks.append((pk[..., None] * cg[:, :, None]).sum(3).reshape(b, h, g, w))
+        else:  # (B, H_kv, m, g, Te) @ (B, H_kv, m, Te, W/m)
+            part = torch.matmul(pk.permute(0, 1, 4, 2, 3), cg.permute(0, 1, 3, 2, 4))
+            blocks.append(part.permute(0, 1, 3, 2, 4).reshape(b, h, g, w))
+    zeros = torch.matmul(p, zero.float())  # (B, H_kv, g, D/G)
+    return torch.cat(blocks, -1) + zeros.repeat_interleave(group, -1)
+
+
+def attend(query, kq, vq, k_res, v_res, scaling: float, bits: int, group: int, impl: str) -> torch.Tensor:
+    """One decode query over quantized tokens then the residual window, softmax in float32.
+
+    Args:
+        query: (B, H, 1, D). kq: key codes, scales, zeros (per channel); vq: value ones (per token).
+        k_res, v_res: (B, H_kv, Tr, D) the full-precision window, after the quantized tokens.
+        impl: ``IMPLS``: ``matmul`` (eager), ``fused`` (for ``torch.compile``), ``kernel`` (C++, CPU).
+
+    Returns:
+        (B, 1, H, D) in the query's dtype, as the models' attention functions return it.
+    """
+    b, h, _, d = query.shape
+    h_kv = k_res.shape[1]
+    q = query.reshape(b, h_kv, h // h_kv, d).float() * scaling  # (B, H_kv, g, D)
+    logits_q = _sums(impl, "key_logits", q, kq, bits, group)  # (B, H_kv, g, Te)
+    logits_r = torch.matmul(q, k_res.float().transpose(-1, -2))  # (B, H_kv, g, Tr)
+    probs = torch.softmax(torch.cat([logits_q, logits_r], -1), -1)
+    te = logits_q.shape[-1]
+    out = _sums(impl, "value_output", probs[..., :te], vq, bits, group)
+    out = out + torch.matmul(probs[..., te:], v_res.float())  # (B, H_kv, g, D)
+    return out.reshape(b, 1, h, d).to(query.dtype)
+
+
+def _sums(impl: str, name: str, x, parts, bits: int, group: int) -> torch.Tensor:
+    """``key_logits`` or ``value_output`` of ``x`` over quantized ``parts`` in the form ``impl`` says."""
+    if impl == "kernel":
+        codes, scale, zero = parts
+        args = (x.contiguous(), codes.contiguous(), scale.float().contiguous(), zero.float().contiguous())
+        return getattr(kernels.load(), name)(*args, bits, group)
+    return globals()[name](x, *parts, bits, group, impl == "fused")
+
+
+def _compiled():
+    if "fn" not in _COMPILED:
+        _COMPILED["fn"] = torch.compile(attend, dynamic=True)
+    return _COMPILED["fn"]
+
+
+def tensor_attention(mode: str, query, kq, vq, k_res, v_res, scaling, bits: int, group: int):
+    """``attend`` in a tensor form: compiled for ``compile`` (and for ``auto`` from ``COMPILE_MIN_TOKENS``
+    quantized tokens), else the eager ``matmul`` form. A failed compile under ``auto`` falls back to the
+    eager form, said once; under ``compile`` it raises."""
+    args = (query, kq, vq, k_res, v_res, scaling, bits, group)
+    want = mode == "compile" or (mode == "auto" and kq[0].shape[2] >= COMPILE_MIN_TOKENS)
+    if want and _COMPILED.get("fn", True) is not None:
+        try:
+            return _compiled()(*args, "fused")
+        except Exception as err:  # no C++ compiler / Triton here: the eager form, said once
+            if mode == "compile":
+                raise
+            _COMPILED["fn"] = None
+            msg = f"quant fused attention: torch.compile unavailable ({err!r:.200}); eager form used"
+            warnings.warn(msg, stacklevel=2)
+    return attend(*args, "matmul")

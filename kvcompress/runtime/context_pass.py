@@ -1,0 +1,177 @@
+"""The context pass of query-agnostic selectors (KVzip): reconstruct the prefilled context against its cache.
+
+Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", arXiv 2505.23416.
+
+Why an explicit call: the reconstruction runs the whole model again over the context's token ids, which
+no cache layer sees (layers get keys and values, never ids) and which cannot run from inside the
+forward that would trigger it. So the caller, who holds the ids, says when the context is complete::
+
+    model(context_ids, cache=cache)                  # prefill: stores every token
+    compress_context(model, cache, context_ids, tok) # scores by reconstruction, then evicts
+
+``prefill`` does both, and runs the pass only for caches whose layers declare ``needs_context_pass``; the
+tasks (retrieval, multi-query, prefix perplexity) use it, so any policy gets what it needs.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import torch
+
+REPEAT_FIRST = "\n\nRepeat the previous context exactly."
+REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
+OVERLAP = 8  # last tokens of the previous chunk quoted in the next chunk's prompt
+_MARK = "\x00kvcompress-turn\x00"
+
+
+def needs_context_pass(cache) -> bool:
+    return any(getattr(layer, "needs_context_pass", False) for layer in getattr(cache, "layers", ()))
+
+
+class Prompts(NamedTuple):
+    """Token ids around the reconstructed text: the first chunk's instruction, the later chunks', what closes
+    the user turn and opens the assistant's, and the chat template's opening before a user message (a
+    context starting with it is reconstructed without it, as the text itself is what matters)."""
+
+    first: list[int]
+    later: list[int]
+    turn: list[int]
+    opening: list[int]
+
+
+def repeat_prompts(tokenizer) -> Prompts:
+    """The ``Prompts`` of ``tokenizer`` (turn and opening from its chat template, empty without one). No
+    tokenizer: no prompt, the context is reconstructed as is."""
+    if tokenizer is None:
+        return Prompts([], [], [], [])
+    encode = lambda s: tokenizer(s, add_special_tokens=False).input_ids if s else []  # noqa: E731
+    opening = turn = ""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": _MARK}], tokenize=False, add_generation_prompt=True
+        )
+        opening, turn = text.split(_MARK, 1)
+    return Prompts(encode(REPEAT_FIRST), encode(REPEAT_NEXT), encode(turn), encode(opening))
+
+
+def reconstruction_chunks(context_ids, attention_mask, prompts: Prompts, chunk: int):
+    """Inputs of the reconstruction forwards: per chunk, ids (B, n) and query validity (B, n) or None.
+
+    Each row reconstructs its own real tokens (left padding and the chat opening dropped) ``chunk`` at a
+    time: the instruction (the later ones quote the previous chunk's last ``OVERLAP`` tokens), the turn
+    switch, the chunk. Shorter rows are right-padded with id 0, marked invalid.
+    """
+    masks = torch.ones_like(context_ids) if attention_mask is None else attention_mask
+    rows = [ids[m.bool()].tolist() for ids, m in zip(context_ids.cpu(), masks.cpu(), strict=True)]
+    n = len(prompts.opening)
+    rows = [r[n:] if n and r[:n] == prompts.opening and len(r) > n else r for r in rows]
+    n_chunks = max(-(-len(r) // chunk) for r in rows)
+    for i in range(n_chunks):
+        pieces = []
+        for r in rows:
+            body = r[i * chunk : (i + 1) * chunk]
+            head = prompts.first if i == 0 else prompts.later + r[max(0, i * chunk - OVERLAP) : i * chunk]
+            pieces.append(head + prompts.turn + body if body else [])
+        width = max(len(p) for p in pieces)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        valid = torch.zeros(len(rows), width, dtype=torch.bool)
+        for b, p in enumerate(pieces):
+            ids[b, : len(p)], valid[b, : len(p)] = torch.tensor(p, dtype=torch.long), True
+        yield ids, (None if bool(valid.all()) else valid)
+
+
+@torch.inference_mode()
+def compress_context(model, cache, context_ids, tokenizer=None, attention_mask=None) -> dict:
+    """Run the context pass of every layer that needs one, then let those layers evict; the other layers
+    (the model's own window on windowed layers, ``full`` layers of a schedule) see the reconstruction as the
+    model would and store none of it.
+
+    Args:
+        context_ids: (B, T) the ids just prefilled (left padded as they were, with ``attention_mask``).
+        tokenizer: builds the repeat instruction and chat turn; None reconstructs without them.
+
+    Returns:
+        ``{"context_pass": bool, "context_pass_s", "context_chunks"}`` (``False`` when no layer needs one).
+    """
+    layers = [layer for layer in cache.layers if getattr(layer, "needs_context_pass", False)]
+    if not layers:
+        return {"context_pass": False}
+    start, seen = time.perf_counter(), cache.get_seq_length()
+    pads = 0 if attention_mask is None else (attention_mask == 0).sum(-1, keepdim=True).cpu()
+    prompts, size = repeat_prompts(tokenizer), layers[0].policy.context_chunk
+    chunks = list(reconstruction_chunks(context_ids, attention_mask, prompts, size))
+    for layer in cache.layers:  # the others (the model's window on windowed layers) store nothing either
+        layer.begin_context_pass()
+    try:
+        for ids, valid in chunks:
+            _reconstruct(model, cache, ids, valid, seen - pads)
+    except BaseException:
+        for layer in cache.layers:
+            layer.end_context_pass(evict=False)
+        raise
+    from kvcompress.selectors.eviction.kvzip_budgets import plan
+
+    keeps = dict(zip(map(id, layers), plan(layers), strict=True))
+    for layer in cache.layers:
+        layer.end_context_pass(keep=keeps.get(id(layer)))
+    seconds = time.perf_counter() - start
+    return {"context_pass": True, "context_pass_s": seconds, "context_chunks": len(chunks)}
+
+
+def _reconstruct(model, cache, ids, valid, first_position) -> None:
+    """One teacher-forced chunk (B, n) at the positions right after each row's context; nothing is stored."""
+    b, n = ids.shape
+    dev = model.device
+    kwargs = {"position_ids": (torch.arange(n) + first_position).expand(b, -1).to(dev)}
+    if valid is not None:
+        mask = torch.cat([torch.ones(b, cache.get_seq_length(), dtype=torch.long), valid.long()], dim=1)
+        kwargs["attention_mask"] = mask.to(dev)
+    model(ids.to(dev), cache=cache, use_cache=True, logits_to_keep=1, **kwargs)
+
+
+def prefill_chunk(cache) -> int | None:
+    """Tokens per prefill forward a cache asks for (its layers' ``prefill_chunk``, the smallest), or None."""
+    sizes = [getattr(layer, "prefill_chunk", None) for layer in getattr(cache, "layers", ())]
+    sizes = [n for n in sizes if n]
+    return min(sizes) if sizes else None
+
+
+def forward_prompt(model, cache, ids, **kwargs):
+    """Prefill ``ids`` (1 or B, T): one forward, or forwards of ``prefill_chunk(cache)`` tokens (a tiered
+    cache: device bytes then peak at its hot budget plus one chunk). Returns the last forward's output;
+    a padding ``attention_mask`` (B, T) is cut per chunk, with positions counted from each row's first token.
+    """
+    ids = ids.to(model.device)
+    size = prefill_chunk(cache)
+    if not size or ids.shape[1] <= size:
+        return model(ids, cache=cache, use_cache=True, **kwargs)
+    mask = kwargs.pop("attention_mask", None)
+    positions = None if mask is None else (mask.long().cumsum(-1) - 1).clamp(min=0)
+    for start in range(0, ids.shape[1], size):
+        end = start + size
+        if mask is not None:
+            kwargs.update(attention_mask=mask[:, :end], position_ids=positions[:, start:end])
+        out = model(ids[:, start:end], cache=cache, use_cache=True, **kwargs)
+    return out
+
+
+def prefill(model, cache, ids, tokenizer=None, **kwargs):
+    """Prefill ``ids`` (1 or B, T) (``forward_prompt``), then the context pass when the cache needs one;
+    returns the (last) forward's output (its logits saw the uncompressed prompt, as any prefill's do)."""
+    out = forward_prompt(model, cache, ids, **kwargs)
+    if needs_context_pass(cache):
+        compress_context(model, cache, ids, tokenizer, kwargs.get("attention_mask"))
+    return out
+
+
+def after_prefill(model, tokenizer=None):
+    """A callable ``(cache, ids)`` that runs ``compress_context`` when the cache needs it, else nothing (for
+    loops that do their own prefill: prefix perplexity, speed)."""
+
+    def run(cache, ids) -> None:
+        if needs_context_pass(cache):
+            compress_context(model, cache, ids, tokenizer)
+
+    return run

@@ -1,0 +1,188 @@
+"""Shared machinery of score-based eviction (H2O, SnapKV, TOVA): budgets, per-row/per-head top-k.
+
+A policy keeps either a fixed ``budget`` of tokens per layer and KV head, or removes a fraction
+``compression_ratio`` of the tokens seen (kvpress's definition). Its layer turns attention scores into
+a per-token priority and keeps the top ``k`` per batch row and head with ``PolicyLayer.keep``, which
+frees the evicted tokens' storage. Every head keeps the same count, so no ragged masks are needed;
+padding slots (``PolicyLayer.valid``) are never kept over real tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from kvcompress.core.fields import Choice, Float, Int
+from kvcompress.core.layer import PolicyLayer
+from kvcompress.core.policy import Policy, Shape
+from kvcompress.selectors.eviction.chunks import chunk_priority
+
+UNITS = ("token", "chunk")
+_BIG = 1e12  # priority offset: protected tokens above every score, padding below every score
+
+# Fuzz alternatives shared by budgeted policies: a fixed budget or a ratio.
+BUDGETS = [
+    {"budget": (1, 40), "compression_ratio": None},
+    {"budget": None, "compression_ratio": [0.0, 0.3, 0.5, 0.75, 0.95]},
+]
+BUDGET_FUZZ = [{**alt, "unit": list(UNITS), "chunk_size": (1, 8)} for alt in BUDGETS]  # and the unit
+
+
+DEFAULT_RATIO = 0.5  # with neither budget nor compression_ratio set
+
+
+def check_one_budget(policy) -> None:
+    """At most one of ``budget`` and ``compression_ratio``; neither means ``compression_ratio=0.5``."""
+    if policy.budget is None and policy.compression_ratio is None:
+        policy.compression_ratio = DEFAULT_RATIO
+    if (policy.budget is None) == (policy.compression_ratio is None):
+        raise ValueError(
+            f"{policy.name}: set exactly one of budget (tokens kept per layer and head) or "
+            f"compression_ratio (fraction removed); got budget={policy.budget}, "
+            f"compression_ratio={policy.compression_ratio}"
+        )
+
+
+@dataclass
+class EvictionPolicy(Policy):
+    """Base of eviction policies: one of ``budget`` (tokens kept per layer and head) or
+    ``compression_ratio`` (fraction of the tokens seen that is removed, in [0, 1); 0.5 if neither is set).
+    ``unit``: ``token`` keeps the best tokens; ``chunk`` keeps whole chunks of ``chunk_size`` consecutive
+    tokens ranked by their summed scores (ChunkKV, Liu et al., arXiv 2502.00299).
+
+    Args:
+        budget: tokens kept per layer and KV head; null: use compression_ratio.
+        compression_ratio: fraction of the tokens seen that is removed, in [0, 1).
+        unit: token: keep the best tokens; chunk: keep whole chunks by their summed scores.
+        chunk_size: consecutive tokens per chunk when unit is chunk.
+    """
+
+    evicts = "always"
+    FUZZ = BUDGET_FUZZ
+
+    budget: int | None = Int(None, low=1, null=True)
+    compression_ratio: float | None = Float(None, 0.0, 1.0, high_open=True, null=True)
+    unit: str = Choice("token", UNITS)
+    chunk_size: int = Int(10, low=1)
+
+    def __post_init__(self):
+        check_one_budget(self)
+        super().__post_init__()
+
+    def keep_count(self, n_tokens: int) -> int:
+        """Tokens a layer keeps per head after seeing ``n_tokens`` real tokens (at least 1)."""
+        if self.budget is not None:
+            return self.budget
+        return max(1, int(n_tokens * (1.0 - self.compression_ratio) + 1e-9))
+
+    @property
+    def reserved(self) -> int:
+        """Tokens every layer keeps whatever the scores (e.g. SnapKV's observation window)."""
+        return 0
+
+    def covering(self, n_tokens: int) -> EvictionPolicy:
+        out = super().covering(n_tokens)
+        if self.budget is not None:
+            return dataclasses.replace(out, budget=max(self.budget, n_tokens))
+        return dataclasses.replace(out, compression_ratio=0.0)
+
+    def kept_tokens(self, s: Shape) -> int:
+        """A layer that enforces its target at every step: ``min(T, keep_count(T))`` (``keep_count`` grows by
+        at most one token per token seen, so a decode step never leaves more)."""
+        return min(s.total, self.keep_count(s.total))
+
+
+class EvictionLayer(PolicyLayer):
+    """A layer that evicts from attention scores (``observe_attention``) instead of ``compress``."""
+
+    wants_scores = True
+
+    per_row = ("row_padding",)  # (B,) padding tokens consumed by each row
+
+    def __init__(self, policy, layer_idx, spec, store):
+        super().__init__(policy, layer_idx, spec, store)
+        self.padding_seen = 0  # padding tokens consumed by the least padded row
+        self.unit = getattr(policy, "unit", "token")  # block_evict ranks its own blocks
+        if self.unit == "chunk":  # chunks are runs of stored tokens: stored order must stay sequence order
+            self.order_free = False
+
+    def on_append(self, key_states, new_valid) -> None:
+        if new_valid is not None:
+            pad = (~new_valid).sum(-1)  # (B,)
+            self.padding_seen += int(pad.min())
+            self.row_padding = pad if self.row_padding is None else self.row_padding + pad
+
+    def reset(self) -> None:
+        super().reset()
+        self.padding_seen = 0
+
+    def row_targets(self, k: int) -> torch.Tensor | None:
+        """Tokens each row keeps (B, 1, 1) when a ratio sizes rows of different real lengths (each row from
+        its own real tokens, at most ``k``); None when every row keeps ``k``."""
+        if self.policy.budget is not None or self.row_padding is None:
+            return None
+        real = (self.seen - self.row_padding).double()
+        own = (real * (1.0 - self.policy.compression_ratio) + 1e-9).floor().long().clamp(min=1, max=k)
+        return None if bool((own == k).all()) else own.view(-1, 1, 1)
+
+    def target(self) -> int:
+        """Tokens to keep now: the budget, or a fraction of the longest row's real tokens."""
+        return self.policy.keep_count(self.seen - self.padding_seen)
+
+    def token_order(self, t: int, device) -> torch.Tensor:
+        """Sequence order of the stored tokens (newest highest): the stored index, or a layer's own
+        positions when a decode step's in-place eviction reorders its tokens (H2O)."""
+        return torch.arange(t, device=device, dtype=torch.float64)
+
+    def first_real(self, n: int, t: int, device) -> torch.Tensor:
+        """(B or 1, 1 or H_kv, T) bool: the first ``n`` real stored tokens of each row (attention sinks)."""
+        if self.valid is None:
+            return (torch.arange(t, device=device) < n)[None, None]
+        return self.valid & (self.valid.cumsum(-1) <= n)
+
+    def select(
+        self, scores: torch.Tensor, k: int, protect: int = 0, pinned: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Keep the ``k`` best tokens of every row and head; returns the kept indices (B, h, k), sorted.
+
+        With ``unit: chunk`` whole chunks of ``chunk_size`` stored tokens are kept, ranked by their summed
+        scores (``chunks.chunk_priority``); the last one taken may be partial, so exactly ``k`` stay.
+
+        Args:
+            scores: (B, 1 or H_kv, T) priority of each stored token (higher is kept).
+            protect: the last ``protect`` positions are kept first (recent / observation window).
+            pinned: (B or 1, 1 or H_kv, T) bool, tokens kept first whatever their score (sinks, H2O's
+                recent window); among kept-first tokens the newest win ties (``token_order``).
+        """
+        t = scores.shape[-1]
+        order = self.token_order(t, scores.device)
+        first = pinned if pinned is not None else torch.zeros(1, 1, t, dtype=torch.bool, device=scores.device)
+        if protect:
+            first = first | (torch.arange(t, device=scores.device) >= t - protect)
+        prio = scores.double()
+        if self.unit == "chunk":
+            prio = chunk_priority(prio, self.policy.chunk_size, self.valid, ~first)
+        prio = torch.where(first, _BIG + order, prio)
+        if t - k == 1 and self.valid is None and protect < t:  # decode: drop one token, no top-k or sort
+            worst = prio[..., : t - protect].argmin(dim=-1, keepdim=True)  # (B, h, 1)
+            if self.order_free and protect == 0 and self.drop_one(worst):
+                return worst
+            ar = torch.arange(t - 1, device=scores.device)
+            idx = ar + (ar >= worst).long()  # (B, h, t - 1): every position but the worst, in order
+            return self.keep(idx, is_sorted=True)
+        if self.valid is not None:
+            prio = torch.where(self.valid, prio, -_BIG + order)  # padding only fills what real tokens cannot
+        top = prio.topk(min(k, t), dim=-1).indices  # (B, h, k), best first
+        own = self.row_targets(top.shape[-1])
+        if own is None:
+            return self.keep(top)  # sorted by keep
+        idx, rank = top.sort(dim=-1)
+        extra = (rank >= own).expand(-1, idx.shape[1], -1)  # slots beyond a row's own target: padding
+        idx = self.keep(idx, is_sorted=True)
+        self.valid = self.valid.expand(-1, idx.shape[1], -1) & ~extra
+        return idx
+
+    def stats(self) -> dict:
+        return {**super().stats(), "target": self.target()}

@@ -1,0 +1,137 @@
+"""Expected Attention: score keys by the attention that future queries are expected to give them.
+
+Devoto, Jeblick and Jégou, "Expected Attention: KV Cache Compression by Estimating Attention from Future
+Queries Distribution", arXiv 2510.00636 (the method of NVIDIA kvpress's ``ExpectedAttentionPress``).
+
+The prompt's queries are modelled as a Gaussian (mean, covariance). A future query at ``j`` positions
+past the last token is that Gaussian rotated by RoPE for ``j`` more positions; averaging the rotation
+over the next ``future_positions`` positions gives one Gaussian ``N(mu, Sigma)``. For a key ``k`` the
+expected exponentiated logit is ``exp(s mu.k + s^2 k'Sigma k / 2)`` (the Gaussian's moment generating
+function, ``s`` the softmax scale); normalised over the stored keys, averaged over the query heads of the
+KV group and scaled by ``||v||``, it ranks the pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcompress.core.fields import Bool, Int
+from kvcompress.core.policy import Shape
+from kvcompress.selectors.eviction.base import EvictionLayer, EvictionPolicy
+from kvcompress.selectors.eviction.rope import mean_rotation, rope_frequencies, rotate
+
+
+def query_statistics(query: torch.Tensor, inv_freq: torch.Tensor, weight: torch.Tensor):
+    """Mean (B, H, D) and covariance (B, H, D, D) of a step's queries, each moved to the step's last real
+    position (so that only relative rotations are needed: left padding and earlier evictions do not matter).
+
+    Args:
+        query: (B, H, q, D) after RoPE.
+        inv_freq: (D/2,) the layer's RoPE frequencies.
+        weight: (B, q) float, 1 for the queries that count (real, not sinks), else 0.
+    """
+    real = weight > 0
+    dist = real.flip(-1).cumsum(-1).flip(-1) - 1  # (B, q): real queries after each one
+    angles = dist.clamp(min=0)[:, None, :, None].float() * inv_freq.to(query.device)  # (B, 1, q, D/2)
+    moved = rotate(query.float(), angles)  # (B, H, q, D)
+    w = weight[:, None, :, None] / weight.sum(-1).clamp(min=1.0)[:, None, None, None]
+    mean = (moved * w).sum(dim=2)  # (B, H, D)
+    centred = (moved - mean[:, :, None]) * w.sqrt()
+    return mean, centred.mT @ centred
+
+
+def expected_scores(mean, cov, keys, values, scaling: float, valid=None, value_norm: bool = True):
+    """Expected attention (B, H_kv, T) of stored ``keys`` (B, H_kv, T, D) under future queries N(mean, cov)
+    per query head (B, H, D) / (B, H, D, D); ``cov`` None uses the mean alone."""
+    b, h, d = mean.shape
+    h_kv = keys.shape[1]
+    k = keys.float()[:, :, None]  # (B, H_kv, 1, T, D)
+    mu = mean.view(b, h_kv, h // h_kv, 1, d)
+    logits = (k * mu).sum(-1) * scaling  # (B, H_kv, g, T)
+    if cov is not None:
+        sigma = cov.view(b, h_kv, h // h_kv, d, d)
+        logits = logits + ((k @ sigma) * k).sum(-1) * (scaling**2 / 2)
+    if valid is not None:
+        logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
+    scores = torch.softmax(logits, dim=-1).nan_to_num_(0.0).mean(dim=2)  # (B, H_kv, T)
+    return scores * values.float().norm(dim=-1) if value_norm else scores
+
+
+class ExpectedAttentionLayer(EvictionLayer):
+    """Scores the stored pairs at each step of several tokens (prefill) that leaves more than the target;
+    decode tokens are appended. Stateless besides the keys and values."""
+
+    def observe_attention(self, query, key, scaling: float, probs=None) -> None:
+        p, k, q = self.policy, self.target(), query.shape[2]
+        if q == 1 or self.stored_length() <= k:
+            return
+        inv_freq = p.frequencies(self.layer_idx)
+        real = torch.ones(query.shape[0], q, dtype=torch.bool, device=query.device)
+        if self.valid is not None:
+            real = self.valid[:, 0, -q:]
+        weight = real.float()
+        if self.seen == q:  # the first step holds the sinks: outliers, left out of the statistics
+            weight = weight * (real.cumsum(-1) > p.sink_tokens)
+        mean, cov = query_statistics(query, inv_freq, weight)
+        turn = mean_rotation(inv_freq.to(query.device), p.future_positions)  # (D, D)
+        mean, cov = mean @ turn.mT, (turn @ cov @ turn.mT if p.covariance else None)
+        values = self.store.read()[1]
+        scores = expected_scores(mean, cov, key, values, scaling, self.valid, p.value_norm)
+        self.select(scores, k, pinned=self.first_real(p.sink_tokens, scores.shape[-1], scores.device))
+
+
+@dataclass
+class ExpectedAttentionPolicy(EvictionPolicy):
+    """Keep, per layer and KV head, the ``budget`` (or ``1 - compression_ratio``) pairs with the highest
+    expected attention from the next ``future_positions`` queries, plus the first ``sink_tokens``.
+
+    The query statistics come from the step's own queries (all of a one-shot prefill; each chunk's under a
+    chunked prefill), so it needs no question: query-agnostic, at no extra forward pass. Decode tokens are
+    appended. The RoPE frequencies are read from the model by ``build_cache`` (``prepare``).
+
+    Args:
+        future_positions: future query positions the RoPE rotation is averaged over.
+        sink_tokens: first real tokens, always kept and left out of the statistics.
+        covariance: use the queries' covariance (else the mean alone).
+        value_norm: multiply the expected attention by each value's norm.
+    """
+
+    layer_class = ExpectedAttentionLayer
+    evicts = "prefill"
+    FORMULA = True  # the memory formulas below are this class's own
+    TEST_PARAMS = {"budget": 12, "compression_ratio": None, "future_positions": 16, "sink_tokens": 2}
+    FUZZ = [
+        {**alt, "future_positions": (1, 64), "sink_tokens": (0, 6), "covariance": [True, False],
+         "value_norm": [True, False]}
+        for alt in EvictionPolicy.FUZZ
+    ]  # fmt: skip
+
+    future_positions: int = Int(512, low=1)
+    sink_tokens: int = Int(4, low=0)
+    covariance: bool = Bool(True)
+    value_norm: bool = Bool(True)
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.rope: list[torch.Tensor] | None = None  # per-layer inv_freq, read from the model by prepare
+
+    @property
+    def name(self) -> str:
+        return "expected_attention"
+
+    def prepare(self, model) -> None:
+        super().prepare(model)
+        self.rope = rope_frequencies(model)
+
+    def frequencies(self, layer_idx: int) -> torch.Tensor:
+        if self.rope is None:
+            raise RuntimeError(
+                "expected_attention needs the model's RoPE: build it with build_cache(policy, model)"
+            )
+        return self.rope[layer_idx]
+
+    def kept_tokens(self, s: Shape) -> int:
+        """The prompt compressed to ``min(n, keep_count(n))``; decode tokens appended."""
+        return min(s.prefill, self.keep_count(s.prefill)) + s.decode

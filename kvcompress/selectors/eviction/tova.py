@@ -1,0 +1,35 @@
+"""TOVA: evict the token the current query attends to least.
+
+Oren et al., "Transformers are Multi-State RNNs", arXiv 2401.06104.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcompress.selectors.eviction.base import EvictionLayer, EvictionPolicy
+
+
+class TOVALayer(EvictionLayer):
+    """Stateless besides the keys/values: the scores come from the current query only, so stored order
+    never matters and a decode step's single eviction moves the newest token into the hole (O(1))."""
+
+    order_free = True
+
+    def observe_attention(self, query, key, scaling: float, probs=None) -> None:
+        k = self.target()
+        if self.stored_length() <= k:
+            return
+        last = self.scores(query, key, scaling, 1, probs)  # (B, H_kv, 1, T)
+        self.select(last[:, :, 0].mean(dim=1, keepdim=True), k)  # (B, 1, T)
+
+
+@dataclass
+class TOVAPolicy(EvictionPolicy):
+    """Once the layer holds more than its budget, drop the tokens with the lowest attention from the
+    step's last query, averaged over all heads of the layer (the paper's layer-wise variant: every head
+    keeps the same tokens, as in the authors' cache). Nothing is protected, not even the newest token."""
+
+    layer_class = TOVALayer
+    FORMULA = True  # the memory formulas below are this class's own
+    TEST_PARAMS = {"budget": 12, "compression_ratio": None}

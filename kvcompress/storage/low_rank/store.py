@@ -1,0 +1,196 @@
+"""One layer of low-rank storage: coefficients in calibrated bases, keys optionally pre-RoPE.
+
+Keys arrive rotated by RoPE. With a ``Rope`` they are un-rotated at their own absolute positions before the
+projection, the pre-RoPE latent is cached, and reads rotate the reconstruction back at the same positions
+(Palu, arXiv 2407.21118; ShadowKV, arXiv 2410.21465). Bases are float32 whatever the model dtype, so full
+rank reproduces the keys to the precision of the stored coefficients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcompress.core.buffers import storage_bytes
+from kvcompress.core.plan import Latent
+from kvcompress.core.profiling import TIMER
+from kvcompress.kernels import fused_low_rank
+from kvcompress.storage.residual import ResidualStore
+
+
+def to_blocks(x: torch.Tensor, blocks: int) -> torch.Tensor:
+    """(B, H, n, D) -> (B, blocks, n, g * D): the channels of each block's g heads side by side."""
+    b, h, n, d = x.shape
+    return x.reshape(b, blocks, h // blocks, n, d).transpose(2, 3).reshape(b, blocks, n, h // blocks * d)
+
+
+def from_blocks(y: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, G, n, g * D) -> (B, heads, n, D): the inverse of ``to_blocks``."""
+    b, blocks, n, gd = y.shape
+    g = heads // blocks
+    return y.reshape(b, blocks, n, g, gd // g).transpose(2, 3).reshape(b, heads, n, gd // g)
+
+
+def _own(maps: tuple, by_component: bool = False) -> tuple:
+    """Float32 copies with their own storage (not views of the whole calibration); one shared copy when
+    encoder and decoder are the same tensor (plain PCA). With ``by_component`` the decoder (G, g * D, R) is
+    laid out component by component in memory, as the pre-RoPE kernel reads it (``decoder.mT`` is then
+    contiguous: no decode step transposes it); the matrix products take either layout."""
+
+    def own(m: torch.Tensor, rows: bool) -> torch.Tensor:
+        m = m.float().mT if rows else m.float()
+        m = m.clone(memory_format=torch.contiguous_format)
+        return m.mT if rows else m
+
+    dec = own(maps[1], by_component)
+    return (dec if maps[0] is maps[1] else own(maps[0], False)), dec
+
+
+class LowRankStore(ResidualStore):
+    """Coefficients (B, G, T_c, r) per kind (int8 codes plus a scale (B, G, T_c, 1) if asked), the exact
+    residual window (B, H_kv, T_r, D), the layer's maps ``encoder[kind]`` / ``decoder[kind]``
+    (G, g * D, r) float32 (one tensor for plain PCA), and with a ``rope`` the stored tokens' positions
+    (B, H_kv, T) int32."""
+
+    grows_in_place = True  # a decode step appends one latent instead of copying them all
+
+    def __init__(self, config, layer_idx, spec, kinds, bases: dict, rope=None):
+        super().__init__(config, layer_idx, spec, kinds)
+        self.rope = rope if "keys" in kinds else None
+        maps = {kind: _own(bases[kind], kind == "keys" and self.rope is not None) for kind in kinds}
+        self.encoder = {kind: m[0] for kind, m in maps.items()}
+        self.decoder = {kind: m[1] for kind, m in maps.items()}
+        self.needs_positions = config.keys == "pre_rope" and "keys" in kinds  # also on NoPE layers: bytes
+        self.dtype = None  # of the model's keys: coefficients and scales are stored in it
+        self.kernel_steps = 0  # decode steps whose pre-RoPE logits the C++ kernel computed
+        self._maps_on: torch.device | None = None  # where the maps were last checked to be (any other device
+        # a step's keys arrive on is checked again)
+
+    def append(self, keys, values, positions=None) -> None:
+        first = keys if "keys" in self.kinds else values
+        self.dtype = first.dtype
+        if first.device != self._maps_on:  # checked once per device, not at every step
+            if any(t.device != first.device for t in self.fixed_tensors()):
+                for maps in (self.encoder, self.decoder):
+                    maps.update({k: t.to(first.device) for k, t in maps.items()})
+            self._maps_on = first.device
+        super().append(keys, values, positions)
+
+    def encode(self, kind, x, valid=None, positions=None):
+        x = x.float()
+        if kind == "keys" and self.rope is not None:
+            x = self.rope.unrotate(x, positions)
+        enc = self.encoder[kind]  # (G, g * D, r)
+        coef = to_blocks(x, enc.shape[0]) @ enc  # (B, G, n, r)
+        if not self.config.int8_coefficients:
+            return (coef.to(self.dtype),)
+        scale = coef.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127
+        return torch.round(coef / scale).to(torch.int8), scale.to(self.dtype)
+
+    def decode(self, kind, parts, out, positions=None):
+        return out.copy_(self.reconstruct(kind, parts, out.shape[1], positions))
+
+    def reconstruct(self, kind, parts, heads: int, positions=None) -> torch.Tensor:
+        """Tokens (B, H_kv, n, D) float32 of coefficients ``parts``, keys rotated back at ``positions``."""
+        coef = parts[0].float() if len(parts) == 1 else parts[0].float() * parts[1].float()
+        blocks = coef.shape[1]
+        x = from_blocks(coef @ self.decoder[kind].mT, heads)  # (B, H_kv, n, D) float32
+        if kind == "keys" and self.rope is not None:  # a block's heads hold the same tokens: rotate once
+            b, h, n = positions.shape
+            x = self.rope.rotate(x, positions.view(b, blocks, h // blocks, n)[:, :, 0])
+        return x
+
+    # -- attention in the latent space (kvcompress.kernels.fused_low_rank) ---------------------------
+    def attends_codes(self) -> bool:
+        """Whether a decode query attends in the latent space (values always, keys unless pre-RoPE)."""
+        return self.config.fused_attention != "off" and "keys" in self.kinds and self.encoded_length > 0
+
+    def compact_read(self) -> Latent:
+        """Logits and value sums from the latents, for a backend that attends by parts."""
+        res = self.residual[self.kinds[0]]
+        return Latent(self.key_logits, self.value_output, res.shape[1])
+
+    def value_output(self, probs: torch.Tensor) -> torch.Tensor:
+        """``sum_t p_ht v_t`` (B, H_kv, n, D) float32 for probs (B, G, g * n, T): the encoded tokens' in
+        the latent space, then the residual window's."""
+        te = self.encoded_length
+        n = probs.shape[2] * probs.shape[1] // self.residual["values"].shape[1]
+        parts, dec = self.encoded["values"], self.decoder["values"]
+        out = fused_low_rank.latent_values(probs[..., :te], parts, dec, n)
+        return out + fused_low_rank.dense_values(probs[..., te:], self.residual["values"])
+
+    def key_logits(self, q: torch.Tensor) -> torch.Tensor:
+        """Logits (B, G, g * n, T) of scaled queries q (B, H_kv, n, D) float32 over every stored key."""
+        parts, res, dec = self.encoded["keys"], self.residual["keys"], self.decoder["keys"]
+        if self.rope is None:  # the decoder folds into the query
+            encoded = fused_low_rank.latent_logits(fused_low_rank.fold_query(q, dec), parts)
+        else:  # pre-RoPE: each key turns by its own position, so the keys are rebuilt
+            encoded = self._rope_logits(q, parts, dec)
+        return torch.cat([encoded, fused_low_rank.residual_logits(q, res, dec.shape[0])], dim=-1)
+
+    def _rope_logits(self, q: torch.Tensor, parts: tuple, dec: torch.Tensor) -> torch.Tensor:
+        """Logits over the encoded pre-RoPE keys: rebuilt and rotated inside the C++ kernel where it serves
+        (counted as attention, as the quant kernel's unpacking is), else rebuilt by tensors (counted as
+        policy overhead)."""
+        te, blocks = self.encoded_length, dec.shape[0]
+        positions = self._positions(0, te)  # (B, H_kv, Te): a block's heads share their tokens' positions
+        b, h = positions.shape[:2]
+        block_positions = positions.view(b, blocks, h // blocks, te)[:, :, 0]  # (B, G, Te)
+        logits = fused_low_rank.rope_logits(q, parts, dec, block_positions, self.rope, self.appended)
+        if logits is not None:
+            self.kernel_steps += 1
+            return logits
+        with TIMER.measure():
+            keys = self.reconstruct("keys", parts, h, positions)
+        return fused_low_rank.residual_logits(q, keys, blocks)
+
+    def flush_count(self, residual: int) -> int:
+        return residual - self.config.residual_length
+
+    def fixed_tensors(self):
+        return list({id(t): t for t in [*self.encoder.values(), *self.decoder.values()]}.values())
+
+    def loaded(self) -> None:
+        """A file restores the maps contiguous: the pre-RoPE key decoder is laid out by component again, so
+        a loaded cache reads the same memory layout, and computes the same bits, as the cache it saved."""
+        for kind in self.kinds:
+            maps = _own((self.encoder[kind], self.decoder[kind]), kind == "keys" and self.rope is not None)
+            self.encoder[kind], self.decoder[kind] = maps
+
+    def shared_tensors(self):
+        return self.rope.table.tensors() if self.rope is not None else []
+
+    # -- readable names (tests, stats) ------------------------------------------------------
+    def _part(self, kind: str, i: int):
+        parts = self.encoded[kind]
+        return None if parts is None or len(parts) <= i else parts[i]
+
+    key_coef = property(lambda self: self._part("keys", 0))
+    value_coef = property(lambda self: self._part("values", 0))
+    key_scale = property(lambda self: self._part("keys", 1))
+    value_scale = property(lambda self: self._part("values", 1))
+    key_basis = property(lambda self: self.encoder.get("keys"))  # coefficients = keys @ key_basis
+    value_basis = property(lambda self: self.encoder.get("values"))
+    keys = property(lambda self: self.residual["keys"])
+    values = property(lambda self: self.residual["values"])
+
+    def stats(self) -> dict:
+        cal, c = self.config.calibration, self.config
+        out = {**super().stats(), "keys_mode": c.keys, "basis": c.basis}
+        for kind in self.kinds:
+            blocks, n, comps = self.encoder[kind].shape  # (G, g * D, r)
+            g = n // self.spec.head_dim
+            out[f"{kind[:-1]}_components"] = comps  # per block of g heads
+            out[f"{kind[:-1]}_rank"] = comps // g if comps % g == 0 else comps / g  # per KV head
+        return {
+            **out,
+            "tokens_projected": self.encoded_length,
+            "rope_kernel_steps": self.kernel_steps,
+            # the model's cos/sin by position (kvcompress.storage.rope_table): shared by every layer and
+            # cache of the model, like the model's own weights, so reported here and not in ``bytes``
+            "rope_table_bytes": storage_bytes(self.shared_tensors()),
+            "basis_bytes": storage_bytes(self.fixed_tensors()),
+            "position_bytes": storage_bytes([self.positions]),
+            "calibration_source": cal["source"],
+            "calibration_s": cal.get("seconds"),
+            "calibration_range": cal.get("range"),
+        }

@@ -1,0 +1,1 @@
+"""KIVI quantized storage (``kivi``) and its packed-integer group quantizer (``quantizer``)."""
