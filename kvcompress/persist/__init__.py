@@ -21,6 +21,7 @@ import torch
 
 from kvcompress.core.placement import layer_devices
 from kvcompress.core.sources import digests
+from kvcompress.persist.aliases import VERSION
 from kvcompress.persist.file import (
     AGAIN,
     CORE,
@@ -75,6 +76,7 @@ def save(cache, path, model=None) -> None:
     tensors = {k: v.cpu() for k, v in tensors.items()}
     header = {
         "format": FORMAT,
+        "version": VERSION,
         "code": digests(CORE),
         "policy": cache.policy.describe(),
         "policy_config": policy_config(cache.policy),
