@@ -1,4 +1,7 @@
-"""Every bad input gets a clear error naming the field, the value and what is allowed (before model work)."""
+"""Every bad input gets a clear error naming the field, the value and what is allowed (before model work).
+
+A policy's or storage's own fields are refused from their declarations (``test_declared_fields``), rules
+across its fields in its own tests (``tests/policies``); here: names, files, models, texts and lengths."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import pytest
 import torch
 from transformers import BertConfig, BertForMaskedLM
 
-from kvcompress import build_cache, load_model, load_text, make_policy
+from kvcompress import build_cache, known_policies, load_model, load_text, make_policy
 from kvcompress.harness.tasks.perplexity import text_tokens
 
 
@@ -37,68 +40,6 @@ BAD = [
         "unknown policy",
         lambda m, p: build_cache("nope", m),
         "policy='nope' is unknown; known policies: .*quant",
-    ),
-    ("unknown field", lambda m, p: make_policy("quant", bitz=4), "no field.*bitz.*bits"),
-    ("bits 3", lambda m, p: make_policy("quant", bits=3), r"quant.bits=3 .*allowed: \[2, 4, 8\]"),
-    (
-        "group size",
-        lambda m, p: build_cache("quant", m, group_size=5),
-        "group_size=5 must divide head_dim=16",
-    ),
-    (
-        "window 0",
-        lambda m, p: make_policy("sliding_window", window=0),
-        "sliding_window.window=0 must be an integer >= 1",
-    ),
-    (
-        "h2o budget < recent",
-        lambda m, p: make_policy("h2o", budget=4, compression_ratio=None, recent=8),
-        "h2o.budget=4 is below recent=8",
-    ),
-    (
-        "budget and ratio",
-        lambda m, p: make_policy("tova", budget=8, compression_ratio=0.5),
-        "exactly one of budget",
-    ),
-    (
-        "ratio 1.2",
-        lambda m, p: make_policy("tova", compression_ratio=1.2),
-        r"compression_ratio=1.2 must be in \[0, 1\)",
-    ),
-    (
-        "rank > head_dim",
-        lambda m, p: build_cache("low_rank", m, rank=100, calibration_text="random"),
-        r"low_rank.rank=100 must be in \[1, head_dim=16\]",
-    ),
-    ("block size", lambda m, p: make_policy("block_sparse", block_size=0), "block_sparse.block_size=0"),
-    (
-        "block_evict budget below protected blocks",
-        lambda m, p: make_policy("block_evict", budget=96),
-        r"block_evict.budget=96 is below 128 = \(sink blocks 1 \+ recent blocks 2 \+ 1\) x block_size=32",
-    ),
-    (
-        "block_evict budget and compression_ratio",
-        lambda m, p: make_policy("block_evict", budget=512, compression_ratio=0.5),
-        "block_evict: set exactly one of budget .* got budget=512, compression_ratio=0.5",
-    ),
-    (
-        "block_evict keep_ratio (removed)",
-        lambda m, p: make_policy("block_evict", keep_ratio=0.5),
-        r"block_evict.keep_ratio was removed: use compression_ratio",
-    ),
-    (
-        "block_evict block_size 0",
-        lambda m, p: make_policy("block_evict", block_size=0),
-        "block_evict.block_size=0 must be an integer >= 1",
-    ),
-    (
-        "schedule layer",
-        lambda m, p: build_cache(
-            "window_schedule",
-            m,
-            rules=[{"layers": "2-5", "policy": {"_target_": "kvcompress.selectors.FullPolicy"}}],
-        ),
-        r"names layer\(s\) \[3, 4, 5\]; the model has 3 layers",
     ),
     (
         "text too short",
@@ -135,6 +76,14 @@ def test_bad_input_is_refused_clearly(case, call, message, llama, tmp_path):
     with pytest.raises((ValueError, FileNotFoundError)) as err:
         call(llama, _text(tmp_path))
     assert err.match(message)
+
+
+@pytest.mark.parametrize("name", known_policies())
+def test_an_unknown_field_is_refused_naming_the_known_ones(name):
+    """Every registered policy (its own fields' bad values: ``test_declared_fields``; rules across fields:
+    each method's own tests under ``tests/policies``)."""
+    with pytest.raises(ValueError, match=rf"policy '{name}' has no field\(s\) \['bitz'\]; fields: \["):
+        make_policy(name, bitz=4)
 
 
 def test_unknown_task_lists_known_ones(tmp_path):

@@ -17,73 +17,9 @@ from kvcompress.core.registry import make_storage
 from kvcompress.harness.tasks import bench
 from kvcompress.memory_model import predicted_bytes
 
-_SNAP = "kvcompress.selectors.SnapKVPolicy"
-
-# Beyond SMALL: ratio budgets (keep hundreds of tokens, so the buffers have headroom), SnapKV with and
-# without slack, other quantization layouts, int8 low-rank coefficients, PyramidKV over H2O.
-VARIANTS = {
-    "h2o": [
-        {"budget": None, "compression_ratio": 0.5},
-        {"budget": None, "compression_ratio": 0.3, "recent": 8},
-    ],
-    "snapkv": [
-        {"budget": None, "compression_ratio": 0.4},
-        {"budget": 150, "compression_ratio": None, "observation_window": 8, "slack": 5},
-        {"budget": None, "compression_ratio": 0.5, "observation_window": 8, "slack": 2},
-    ],
-    "tova": [{"budget": None, "compression_ratio": 0.25}],
-    "pyramidkv": [
-        {"budget": None, "compression_ratio": 0.5},
-        {"budget": 100, "compression_ratio": None, "policy": {"_target_": "kvcompress.selectors.H2OPolicy"}},
-    ],
-    "quant": [
-        {"bits": 2, "group_size": 8, "residual_length": 20, "key_axis": "token"},
-        {"bits": 8, "group_size": 16, "residual_length": 0, "scale_dtype": "float32"},
-    ],
-    "low_rank": [
-        {
-            "rank": 5,
-            "value_rank": 9,
-            "residual_length": 0,
-            "calibration_text": "random",
-            "calibration_tokens": 64,
-        },
-        {
-            "rank": 6,
-            "residual_length": 40,
-            "int8_coefficients": True,
-            "calibration_text": "random",
-            "calibration_tokens": 64,
-        },
-        {
-            "rank": 5,
-            "basis": "head",
-            "keys": "post_rope",
-            "calibration_text": "random",
-            "calibration_tokens": 64,
-        },
-        {
-            "rank": 4,
-            "values": {"name": "quant", "bits": 4, "group_size": 8, "residual_length": 16},
-            "calibration_text": "random",
-            "calibration_tokens": 64,
-        },
-        {
-            "rank": 3,
-            "basis": "group",
-            "residual_length": 10,
-            "values": "dense",
-            "calibration_text": "random",
-            "calibration_tokens": 64,
-        },
-    ],
-    "block_sparse": [{"block_size": 7}],
-    "sliding_window": [{"sink_tokens": 4, "window": 300}],
-    "block_evict": [
-        {"block_size": 16, "compression_ratio": 0.5, "sink_tokens": 4, "recent": 32},
-        {"block_size": 8, "budget": 100, "compression_ratio": None, "sink_tokens": 0, "recent": 5},
-    ],
-}
+# Beyond TEST_PARAMS: the field sets each class declares for this test (``MEMORY_VARIANTS``: ratio budgets,
+# slack, other quantization layouts, int8 low-rank coefficients, PyramidKV over H2O...).
+VARIANTS = {n: type(make_policy(n)).MEMORY_VARIANTS for n in POLICY_NAMES}
 # Every selector over every storage variant (a pair refused by build_cache is skipped by name).
 PAIRS = [
     (n, {"storage": dict(v)}) for n in SELECTORS for v in STORAGE_VARIANTS.values() if v["name"] != "dense"

@@ -32,8 +32,9 @@ class Policy:
     Class attributes read by the generic tests and the memory model, declared next to each policy:
     ``TEST_PARAMS`` (fields that make a 48-token test sequence really compress), ``FUZZ`` (a dict, or a
     list of alternative dicts, of field -> ``(lo, hi)`` range, list of choices, or a value),
-    ``MAX_MEMORY_RATIO`` (bytes allowed over ``full``'s for selector state; a storage's own allowance adds
-    to it, ``Storage.MAX_MEMORY_RATIO``) and ``evicts``: ``"never"``,
+    ``MEMORY_VARIANTS`` (field sets beyond ``TEST_PARAMS`` at which the memory model is checked against
+    real caches), ``MAX_MEMORY_RATIO`` (bytes allowed over ``full``'s for selector state; a storage's own
+    allowance adds to it, ``Storage.MAX_MEMORY_RATIO``) and ``evicts``: ``"never"``,
     ``"prefill"`` (only steps of several tokens) or ``"always"`` (decode steps too).
 
     What a storage may ask of a selector is declared here too: ``heads_share_tokens`` (every KV head keeps
@@ -50,6 +51,7 @@ class Policy:
     FUZZ: ClassVar[dict | list] = {}
     MAX_MEMORY_RATIO: ClassVar[float] = 1.05
     FORMULA: ClassVar[bool] = False  # True in a class whose kept_tokens/state_bytes describe it exactly
+    MEMORY_VARIANTS: ClassVar[list] = []  # field sets beyond TEST_PARAMS the memory model is checked at
 
     storage: object = field(default=None, kw_only=True)
     apply_to: str = Choice("full_attention", APPLY_TO, kw_only=True)

@@ -1,5 +1,5 @@
 // The probabilities' mix of low-rank latents, sum_t p[i][t] c[t], for decode attention in the latent space:
-// the value decoder then projects the (m, R) result once per query head (kvcompress/fused_low_rank.py;
+// the value decoder then projects the (m, R) result once per query head (kvcompress/kernels/fused_low_rank.py;
 // Palu, arXiv 2407.21118). A matrix product of a few rows by T tokens is what a BLAS does worst (about four
 // times the time of reading the latents on a CPU): here each token's latent is read once, from L1, by every
 // row of its block, into accumulators that stay in registers over a span of tokens.

@@ -1,6 +1,6 @@
 // Decode attention over chosen pages of a float32 KV cache, read where they lie (no gathered copy), and
 // the choice of those pages. Quest (Tang et al., arXiv 2406.10774) reads only the pages whose key bounds can
-// score high; the tensor form of the choice is in kvcompress/policies/block_sparse_layer.py, the softmax
+// score high; the tensor form of the choice is in kvcompress/selectors/pages/block_sparse_layer.py, the softmax
 // between the two attention calls in torch.
 #include "aten.h"
 
@@ -118,7 +118,7 @@ at::Tensor page_values(at::Tensor p, at::Tensor values, at::Tensor pages, int64_
 }
 
 // Quest's bound of each page for one KV head's g queries, max over them: per channel q max where q >= 0,
-// q min elsewhere (the same sums as kvcompress.policies.block_sparse_layer.page_bounds), as two dot
+// q min elsewhere (the same sums as kvcompress.selectors.pages.block_sparse_layer.page_bounds), as two dot
 // products with the query's positive and negative parts. Pages (P, D); ``parts`` scratch of 2 g D floats.
 void bounds(const float* q, int64_t g, int64_t d, const float* lo, const float* hi, int64_t p, float* parts,
             float* out) {

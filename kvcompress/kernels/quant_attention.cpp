@@ -1,5 +1,5 @@
 // Decode attention sums straight from packed KIVI codes, one pass over the bytes per KV head.
-// The algebra is in kvcompress/fused_quant.py (Liu et al., KIVI, arXiv 2402.02750).
+// The algebra is in kvcompress/kernels/fused_quant.py (Liu et al., KIVI, arXiv 2402.02750).
 #include "aten.h"
 
 #include <vector>

@@ -2,7 +2,7 @@
 // position and dotted with the GQA group's queries while it sits in registers and L1, so no (T, D) copy of
 // the keys, of their rotation or of the cos/sin of every position is written. Palu (arXiv 2407.21118) and
 // ShadowKV (arXiv 2410.21465) fuse the same rebuild-and-rotate on a GPU; the algebra, the half-split pairing
-// (RoFormer, arXiv 2104.09864) and the checks that the model uses it are in kvcompress/fused_low_rank.py.
+// (RoFormer, arXiv 2104.09864) and the checks that the model uses it are in kvcompress/kernels/fused_low_rank.py.
 #include "aten.h"
 
 #include <algorithm>

@@ -183,7 +183,7 @@ DIGESTS = {
     "kvcompress.docgen.records": (
         "kvcompress.harness.docgen.records",
         "70eecece50a825bf",
-        "dab8fdff6768941c",
+        "2e7d5fd6a14f8e3a",
     ),
     "kvcompress.eval": ("kvcompress.eval", "7994fea4e209d89c", "7994fea4e209d89c"),
     "kvcompress.eval.adapter": ("kvcompress.eval.adapter", "d2c69dc58de2eb14", "92f33326948ce904"),
@@ -255,11 +255,11 @@ DIGESTS = {
     "kvcompress.plan": ("kvcompress.core.plan", "24466fbf9cbc6e32", "28303c7bc43fc7cb"),
     "kvcompress.plots": ("kvcompress.harness.plots", "c1deefede46f0c7a", "2f3b543aaf317914"),
     "kvcompress.policies": ("kvcompress.selectors", "43813673d66de38a", "ab096343d02ee6eb"),
-    "kvcompress.policies.base": ("kvcompress.core.policy", "e566e74169727071", "bf46cf76de8ecdb4"),
+    "kvcompress.policies.base": ("kvcompress.core.policy", "e566e74169727071", "7bc68009c0725d78"),
     "kvcompress.policies.block_evict": (
         "kvcompress.selectors.eviction.block_evict",
         "c548a2ebc459cf3d",
-        "1797fdce589ac8b9",
+        "b175624c407100cc",
     ),
     "kvcompress.policies.block_evict_layer": (
         "kvcompress.selectors.eviction.block_evict_layer",
@@ -269,7 +269,7 @@ DIGESTS = {
     "kvcompress.policies.block_sparse": (
         "kvcompress.selectors.pages.block_sparse",
         "eec7a39d953f37b3",
-        "18da1d79e48d93b4",
+        "7224e6ea16058fd4",
     ),
     "kvcompress.policies.block_sparse_layer": (
         "kvcompress.selectors.pages.block_sparse_layer",
@@ -298,7 +298,7 @@ DIGESTS = {
         "e82211281f6262d0",
     ),
     "kvcompress.policies.full": ("kvcompress.selectors.full", "30e0d2fe057b3597", "46b81901f2bd27d5"),
-    "kvcompress.policies.h2o": ("kvcompress.selectors.eviction.h2o", "b0264d2567c844a6", "591645b0d63c8f2f"),
+    "kvcompress.policies.h2o": ("kvcompress.selectors.eviction.h2o", "b0264d2567c844a6", "af0940104857da4f"),
     "kvcompress.policies.kvzip": (
         "kvcompress.selectors.eviction.kvzip",
         "126c910bbb6ad3cd",
@@ -320,7 +320,7 @@ DIGESTS = {
         "776b7358324489b9",
         "fa0fbd241096b20d",
     ),
-    "kvcompress.policies.low_rank": ("kvcompress.selectors.low_rank", "c9ced910107b8194", "174308e3c885a831"),
+    "kvcompress.policies.low_rank": ("kvcompress.selectors.low_rank", "c9ced910107b8194", "3ca9f51d6471074c"),
     "kvcompress.policies.model_window": (
         "kvcompress.core.model_window",
         "a5e6040d1afdc6ae",
@@ -329,9 +329,9 @@ DIGESTS = {
     "kvcompress.policies.pyramid": (
         "kvcompress.selectors.eviction.pyramid",
         "f604e46d8d06dbca",
-        "3871166ced9a78e4",
+        "9d3e38953fb537f6",
     ),
-    "kvcompress.policies.quant": ("kvcompress.selectors.quant", "33f9959a377cff33", "cf2f3505a755d074"),
+    "kvcompress.policies.quant": ("kvcompress.selectors.quant", "33f9959a377cff33", "d55de11bc1d545f1"),
     "kvcompress.policies.rope": (
         "kvcompress.selectors.eviction.rope",
         "f399bbc4b0be1170",
@@ -341,12 +341,12 @@ DIGESTS = {
     "kvcompress.policies.sliding_window": (
         "kvcompress.selectors.sliding_window",
         "85772e93e18bd854",
-        "4f56d44d947f8666",
+        "9c6d597f79f417de",
     ),
     "kvcompress.policies.snapkv": (
         "kvcompress.selectors.eviction.snapkv",
         "221041abb756117c",
-        "e7fb0f6c15513249",
+        "08d8ef87c38895d6",
     ),
     "kvcompress.policies.tiered": (
         "kvcompress.selectors.pages.tiered",
@@ -361,7 +361,7 @@ DIGESTS = {
     "kvcompress.policies.tova": (
         "kvcompress.selectors.eviction.tova",
         "35204e71cdcfc721",
-        "4d2c037123a57647",
+        "05d49f846f521aad",
     ),
     "kvcompress.policies.window_layer": (
         "kvcompress.selectors.window_layer",

@@ -22,6 +22,43 @@ class LowRankPolicy(StoragePreset):
     FORMULA = True  # the memory formulas below are this class's own
     TEST_PARAMS = {"rank": 4, "residual_length": 4, "calibration_text": "random", "calibration_tokens": 64}
     FUZZ = LowRankStorage.FUZZ
+    MEMORY_VARIANTS = [
+        {
+            "rank": 5,
+            "value_rank": 9,
+            "residual_length": 0,
+            "calibration_text": "random",
+            "calibration_tokens": 64,
+        },
+        {
+            "rank": 6,
+            "residual_length": 40,
+            "int8_coefficients": True,
+            "calibration_text": "random",
+            "calibration_tokens": 64,
+        },
+        {
+            "rank": 5,
+            "basis": "head",
+            "keys": "post_rope",
+            "calibration_text": "random",
+            "calibration_tokens": 64,
+        },
+        {
+            "rank": 4,
+            "values": {"name": "quant", "bits": 4, "group_size": 8, "residual_length": 16},
+            "calibration_text": "random",
+            "calibration_tokens": 64,
+        },
+        {
+            "rank": 3,
+            "basis": "group",
+            "residual_length": 10,
+            "values": "dense",
+            "calibration_text": "random",
+            "calibration_tokens": 64,
+        },
+    ]
 
     rank: int | None = Int(None, low=1, null=True)  # null with energy null: 32
     value_rank: int | None = Int(None, low=1, null=True)

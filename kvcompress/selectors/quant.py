@@ -22,6 +22,10 @@ class QuantPolicy(StoragePreset):
     FORMULA = True  # the memory formulas below are this class's own
     TEST_PARAMS = {"group_size": 4, "residual_length": 8}
     FUZZ = QuantStorage.FUZZ
+    MEMORY_VARIANTS = [
+        {"bits": 2, "group_size": 8, "residual_length": 20, "key_axis": "token"},
+        {"bits": 8, "group_size": 16, "residual_length": 0, "scale_dtype": "float32"},
+    ]
 
     bits: int = Choice(4, BITS)
     group_size: int = Int(32, low=1)

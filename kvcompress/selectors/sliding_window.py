@@ -23,6 +23,7 @@ class SlidingWindowPolicy(Policy):
     heads_share_tokens = True  # every KV head keeps the same tokens (shared low-rank latents can follow)
     TEST_PARAMS = {"sink_tokens": 2, "window": 12}
     FUZZ = {"sink_tokens": (0, 6), "window": (1, 24)}
+    MEMORY_VARIANTS = [{"sink_tokens": 4, "window": 300}]
 
     sink_tokens: int = Int(4, low=0)
     window: int = Int(252, low=1)

@@ -6,6 +6,7 @@ the logits stay attached to the tokens through eviction.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvcompress.core.policy import ModelSpec
@@ -104,3 +105,15 @@ def test_h2o_decode_drop_is_selects_choice_ties_included():
             runs[name].append(layer.pos.sort(dim=-1).values.tolist())
     assert runs["fast"] == runs["select"]
     assert len(fast) == 40 and all(fast)  # every decode step took the fast drop
+
+
+@pytest.mark.parametrize(
+    "cls,kwargs,match",
+    [
+        (H2OPolicy, {"budget": 4, "compression_ratio": None, "recent": 8}, "h2o.budget=4 is below recent=8"),
+        (TOVAPolicy, {"budget": 8, "compression_ratio": 0.5}, "exactly one of budget"),
+    ],
+)
+def test_budgets_that_contradict_other_fields_are_refused_by_name(cls, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        cls(**kwargs)

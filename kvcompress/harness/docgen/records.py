@@ -8,6 +8,7 @@ from pathlib import Path
 from kvcompress.core.registry import CONF_DIR
 from kvcompress.harness.report import _natural_key, flatten, markdown_table
 from kvcompress.metrics.stats import interval_fields, wilson
+from kvcompress.persist.aliases import new_name
 
 RECORD_COLUMNS = "policy,storage,settings,perplexity,cache_ratio,accuracy"
 
@@ -39,8 +40,20 @@ def settings(record: dict) -> str:
     out = []
     for fields, defaults in ((policy, _defaults("policy", record.get("policy_name"))),
                              (storage, _defaults("storage", record.get("storage")))):  # fmt: skip
+        fields = _current_targets(fields)
         out += [f"{k}={v}" for k, v in fields.items() if k != "_target_" and defaults.get(k, v) != v]
     return " ".join(out)
+
+
+def _current_targets(node):
+    """A recorded config with every ``_target_`` under today's module names (a record written before the
+    package move names ``kvcompress.policies...``: ``kvcompress.persist.aliases``)."""
+    if isinstance(node, dict):
+        return {k: new_name(v) if k == "_target_" and isinstance(v, str) else _current_targets(v)
+                for k, v in node.items()}  # fmt: skip
+    if isinstance(node, list):
+        return [_current_targets(v) for v in node]
+    return node
 
 
 def row(record: dict) -> dict:

@@ -56,6 +56,10 @@ class BlockEvictPolicy(Policy):
             {"budget": None, "compression_ratio": [0.0, 0.5, 0.9]},
         )
     ]
+    MEMORY_VARIANTS = [
+        {"block_size": 16, "compression_ratio": 0.5, "sink_tokens": 4, "recent": 32},
+        {"block_size": 8, "budget": 100, "compression_ratio": None, "sink_tokens": 0, "recent": 5},
+    ]
 
     block_size: int = Int(32, low=1)
     budget: int | None = Int(None, low=1, null=True)

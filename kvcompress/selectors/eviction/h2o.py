@@ -75,6 +75,10 @@ class H2OPolicy(EvictionPolicy):
     MAX_MEMORY_RATIO = 1.07  # float32 score + int32 position per token and head: 6.25% of K+V at D=16
     TEST_PARAMS = {"budget": 12, "compression_ratio": None, "recent": 4, "observation_window": 6}
     FUZZ = [{**alt, "recent": [None, 0, 3, 10], "observation_window": (1, 8)} for alt in EvictionPolicy.FUZZ]
+    MEMORY_VARIANTS = [
+        {"budget": None, "compression_ratio": 0.5},
+        {"budget": None, "compression_ratio": 0.3, "recent": 8},
+    ]
 
     recent: int | None = Int(None, low=0, null=True)
     observation_window: int = Int(32, low=1)

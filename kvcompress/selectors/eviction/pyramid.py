@@ -66,6 +66,10 @@ class PyramidKVPolicy(Policy):
 
     TEST_PARAMS = {"budget": 12, "compression_ratio": None, "beta": 4}
     FUZZ = [{**alt, "beta": [1, 4, 20, 30]} for alt in BUDGETS]
+    MEMORY_VARIANTS = [
+        {"budget": None, "compression_ratio": 0.5},
+        {"budget": 100, "compression_ratio": None, "policy": {"_target_": "kvcompress.selectors.H2OPolicy"}},
+    ]
 
     policy: object = field(default_factory=lambda: dict(_SNAPKV))
     budget: int | None = Int(None, low=1, null=True)

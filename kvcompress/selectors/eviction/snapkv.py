@@ -70,6 +70,11 @@ class SnapKVPolicy(EvictionPolicy):
         {**alt, "observation_window": (1, 8), "kernel_size": [1, 3, 5], "slack": None}
         for alt in EvictionPolicy.FUZZ
     ]
+    MEMORY_VARIANTS = [
+        {"budget": None, "compression_ratio": 0.4},
+        {"budget": 150, "compression_ratio": None, "observation_window": 8, "slack": 5},
+        {"budget": None, "compression_ratio": 0.5, "observation_window": 8, "slack": 2},
+    ]
 
     observation_window: int = Int(32, low=1)
     kernel_size: int = Int(5, low=1)

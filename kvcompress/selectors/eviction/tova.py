@@ -33,3 +33,4 @@ class TOVAPolicy(EvictionPolicy):
     layer_class = TOVALayer
     FORMULA = True  # the memory formulas below are this class's own
     TEST_PARAMS = {"budget": 12, "compression_ratio": None}
+    MEMORY_VARIANTS = [{"budget": None, "compression_ratio": 0.25}]

@@ -43,6 +43,7 @@ class BlockSparsePolicy(Policy):
     MAX_MEMORY_RATIO = 1.3  # page key min/max: 1/block_size of K+V
     TEST_PARAMS = {"block_size": 4, "top_k_blocks": 3}
     FUZZ = {"block_size": (1, 8), "top_k_blocks": (1, 6)}
+    MEMORY_VARIANTS = [{"block_size": 7}]
 
     block_size: int = Int(16, low=1)
     top_k_blocks: int = Int(16, low=1)
