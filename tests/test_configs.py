@@ -81,3 +81,28 @@ def test_run_dirname_is_safe_and_bounded():
     assert run_dirname("") == "default"
     long = run_dirname("x=" + "y" * 300)
     assert len(long) == 120 and long != run_dirname("x=" + "y" * 299)
+
+
+@pytest.mark.parametrize("group", ["policy", "storage"])
+def test_every_method_is_named_by_its_registry_name(group):
+    """Errors, records and tables name a method by its YAML's file name (plugins' too), never by its class."""
+    from kvcompress.core.cache import known_policies, known_storages, make_policy
+    from kvcompress.core.registry import make_storage
+
+    names = known_policies() if group == "policy" else known_storages()
+    make = make_policy if group == "policy" else make_storage
+    assert "knorm" in names or "fp8" in names  # the plugins of tests/plugins are registered
+    assert {n: make(n).name for n in names} == {n: n for n in names}
+
+
+def test_a_policy_class_no_yaml_names_is_refused_by_name():
+    from dataclasses import dataclass
+
+    from kvcompress.core.policy import Policy
+
+    @dataclass
+    class Unregistered(Policy):
+        pass
+
+    with pytest.raises(ValueError, match="Unregistered has no registry name: add conf/policy/<name>.yaml"):
+        Unregistered()

@@ -70,7 +70,17 @@ class Policy:
 
     @property
     def name(self) -> str:
-        return type(self).__name__.removesuffix("Policy").lower()
+        """The registry name: its YAML's file name (``registry.name_of``), or the name it was made from."""
+        from kvcompress.core.registry import name_of
+
+        name = name_of(type(self), "policy") or self.__dict__.get("registry_name")
+        if name is None:
+            raise ValueError(
+                f"{type(self).__module__}.{type(self).__qualname__} has no registry name: add "
+                "conf/policy/<name>.yaml with its _target_ (a folder of your own joins through "
+                "KVCOMPRESS_CONF_PATH)"
+            )
+        return name
 
     @property
     def selector(self) -> str:

@@ -81,6 +81,34 @@ def _plugin_roots(conf_path: str) -> frozenset[str]:
     return frozenset(roots)
 
 
+def name_of(cls: type, group: str) -> str | None:
+    """The registry name of ``cls``: the one YAML of ``group`` whose ``_target_`` builds it or, for a class no
+    YAML names (a test's subclass), its nearest base that one YAML names; None when none does, or when
+    several YAMLs build the same class (a schedule: then the name it was made from, ``from_name``)."""
+    table = _targets(group, os.environ.get(ENV, ""))
+    for c in cls.__mro__:
+        if c in table:
+            names = table[c]
+            return names[0] if len(names) == 1 else None
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _targets(group: str, conf_path: str) -> dict[type, list[str]]:
+    """``{class: [names]}`` of the YAMLs of ``group`` under the config folders of ``conf_path`` (the value
+    of ``KVCOMPRESS_CONF_PATH`` they were read under); a ``_target_`` that does not import is skipped (it
+    fails by name when that config is used)."""
+    out: dict[type, list[str]] = {}
+    for name in known(group):
+        target = load(group, name).get("_target_")
+        try:
+            cls = import_target(target)
+        except (ImportError, AttributeError, ValueError):
+            continue
+        out.setdefault(cls, []).append(name)
+    return out
+
+
 def import_target(target: str):
     module, _, attr = target.rpartition(".")
     return getattr(importlib.import_module(module), attr)
@@ -106,7 +134,9 @@ def from_name(group: str, name: str, params: dict, always: tuple = ()):
         raise ValueError(
             f"{group} {name!r} has no field(s) {sorted(unknown)}; fields: {sorted(set(cfg) - {'_target_'})}"
         )
-    return instantiate({**cfg, **params}, group)
+    made = instantiate({**cfg, **params}, group)
+    made.registry_name = name  # the one name of a class several YAMLs build (a schedule preset)
+    return made
 
 
 def make_storage(storage):

@@ -41,10 +41,6 @@ class StoragePreset(FullPolicy):
         super().__post_init__()
 
     @property
-    def name(self) -> str:
-        return self.storage_class.name
-
-    @property
     def selector(self) -> str:
         return "full"
 

@@ -87,7 +87,9 @@ class SchedulePolicy(Policy):
 
     @property
     def name(self) -> str:
-        return "schedule"
+        """The preset it was made from (``mixed_precision``, ``window_schedule``: both build this class), else
+        ``schedule``."""
+        return self.__dict__.get("registry_name", "schedule")
 
     @property
     def evicts(self) -> str:

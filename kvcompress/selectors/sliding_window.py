@@ -29,10 +29,6 @@ class SlidingWindowPolicy(Policy):
     window: int = Int(252, low=1)
 
     @property
-    def name(self) -> str:
-        return "sliding_window"
-
-    @property
     def budget(self) -> int:
         return self.sink_tokens + self.window
 

@@ -80,10 +80,6 @@ class BlockEvictPolicy(Policy):
             )
 
     @property
-    def name(self) -> str:
-        return "block_evict"
-
-    @property
     def sink_blocks(self) -> int:
         """Blocks that hold the sink tokens."""
         return math.ceil(self.sink_tokens / self.block_size)

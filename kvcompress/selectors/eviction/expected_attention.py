@@ -117,10 +117,6 @@ class ExpectedAttentionPolicy(EvictionPolicy):
         super().__post_init__()
         self.rope: list[torch.Tensor] | None = None  # per-layer inv_freq, read from the model by prepare
 
-    @property
-    def name(self) -> str:
-        return "expected_attention"
-
     def prepare(self, model) -> None:
         super().prepare(model)
         self.rope = rope_frequencies(model)

@@ -89,10 +89,6 @@ class PyramidKVPolicy(Policy):
         self._schedules: dict = {}
 
     @property
-    def name(self) -> str:
-        return "pyramidkv"
-
-    @property
     def evicts(self) -> str:
         return self._inner(1, None).evicts
 

@@ -59,10 +59,6 @@ class BlockSparsePolicy(Policy):
                 f"= {self.sink_blocks + 1} (sinks and the newest page are always read)"
             )
 
-    @property
-    def name(self) -> str:
-        return "block_sparse"
-
     def covering(self, n_tokens: int) -> BlockSparsePolicy:
         pages = n_tokens // self.block_size + 2  # +1 when padding shifts the page boundaries
         return dataclasses.replace(

@@ -49,10 +49,6 @@ class TieredPolicy(Policy):
             self.storage = {"name": "offload"}
         super().__post_init__()
 
-    @property
-    def name(self) -> str:
-        return "tiered"
-
     def refuses_storage(self, storage) -> str | None:
         if storage.name == "offload":
             return None

@@ -65,5 +65,9 @@ class QueryMomentPolicy(Policy):
     layer_class = QueryMomentLayer
     ropes: list | None = field(default=None, repr=False)
 
+    @property
+    def name(self) -> str:
+        return "calibration"  # the calibration pass's own cache, never a registered policy
+
     def kept_tokens(self, s: Shape) -> int:
         return s.total
