@@ -1,4 +1,5 @@
-"""Cache files written before the package was laid out by layer (format version 1, ``tests/data``) load
+"""Cache files written before the package was laid out by layer (format version 2, unversioned headers,
+``tests/data``) load
 through the alias table (``kvcompress.persist.aliases``) and equal the same cache built by this code."""
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def model():
 
 
 @pytest.mark.parametrize("name", sorted(old.CASES))
-def test_a_version_1_file_loads_as_the_cache_this_code_builds(model, name):
-    path = DATA / f"cache_v1_{name}.safetensors"
+def test_a_file_from_before_the_move_loads_as_the_cache_this_code_builds(model, name):
+    path = DATA / f"cache_premove_{name}.safetensors"
     with safe_open(str(path), framework="pt") as f:
         raw = json.loads(f.metadata()[HEADER_KEY])
     assert "version" not in raw and "kvcompress.persist_file" in raw["code"]  # really written before the move
@@ -55,9 +56,9 @@ def test_a_version_1_file_loads_as_the_cache_this_code_builds(model, name):
     assert torch.equal(_next_logits(model, loaded), _next_logits(model, fresh))
 
 
-def test_a_version_1_file_from_other_code_is_still_refused(model, tmp_path):
+def test_a_file_from_before_the_move_of_other_code_is_still_refused(model, tmp_path):
     """The table vouches only for the code of the move: a digest it does not know stays, and is refused."""
-    path = DATA / "cache_v1_snapkv_int4.safetensors"
+    path = DATA / "cache_premove_snapkv_int4.safetensors"
     with safe_open(str(path), framework="pt") as f:
         names = f.keys()
         meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in names}
@@ -80,7 +81,9 @@ def test_a_file_of_an_unknown_version_is_refused_and_new_files_carry_this_one(mo
         meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in names}
     header = {**json.loads(meta[HEADER_KEY]), "version": VERSION + 1}
     save_file(tensors, str(tmp_path / "later.safetensors"), metadata={HEADER_KEY: json.dumps(header)})
-    with pytest.raises(ValueError, match=rf"format version {VERSION + 1}; this kvcompress reads versions 1 "):
+    with pytest.raises(
+        ValueError, match=rf"format version {VERSION + 1}; this kvcompress reads version {VERSION} "
+    ):
         load_cache(tmp_path / "later.safetensors", model)
 
 

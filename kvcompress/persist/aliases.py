@@ -1,7 +1,8 @@
-"""Cache files written before the package was laid out by layer (format version 1) load through this
-explicit table; files written since carry ``"version": {VERSION}``.
+"""Cache files written before the package was laid out by layer (format version 2: their headers carry no
+version) load through this explicit table; files written since carry ``"version": 3``. (Version 1, before
+headers held code digests, is refused: it cannot say which code wrote it.)
 
-``MOVED`` renames the modules (and packages) a version-1 file names: layer, store and nested classes, the
+``MOVED`` renames the modules (and packages) such a file names: layer, store and nested classes, the
 ``_target_`` of its policy config, the modules of its code digests. ``DIGESTS`` (generated from the commit
 before the move, ``BEFORE``, by ``scripts/persist_aliases.py``) pairs each module's digest then with its new
 module's digest at the move: a file whose code was the code of the move is read as if written now; a digest
@@ -10,7 +11,7 @@ that differs (other code, or a module changed since) stays, and the usual check 
 
 from __future__ import annotations
 
-VERSION = 2  # 1: before the move (no "version" in the header)
+VERSION = 3  # 2: before the move (no "version" in the header); 1: before code digests
 BEFORE = "fa1acd7"
 
 MOVED = {  # old module -> new module, below ``kvcompress.``
@@ -106,8 +107,8 @@ def new_name(dotted: str) -> str:
 
 
 def upgrade(header: dict) -> dict:
-    """A version-1 header read as the current layout (``MOVED`` and ``DIGESTS``); any other returned as
-    it is (its version is checked by the reader)."""
+    """A header with no version (written before the move) read as the current layout (``MOVED`` and
+    ``DIGESTS``); any other returned as it is (its version is checked by the reader)."""
     if not isinstance(header, dict) or "version" in header:
         return header
     return {**_renamed(header), "version": VERSION}
@@ -157,7 +158,7 @@ DIGESTS = {
     "kvcompress.calibration_queries": (
         "kvcompress.storage.low_rank.calibration_queries",
         "f9e4b103f047199b",
-        "8242c88c92fea5d5",
+        "fa0f929649c499d0",
     ),
     "kvcompress.calibration_text": (
         "kvcompress.storage.low_rank.calibration_text",
@@ -250,16 +251,16 @@ DIGESTS = {
     ),
     "kvcompress.padding": ("kvcompress.runtime.padding", "31e2ecb980cf79e9", "f4197c36d82d7163"),
     "kvcompress.persist": ("kvcompress.persist", "9cf0c60d82273bc8", "cb926751c1557fc1"),
-    "kvcompress.persist_file": ("kvcompress.persist.file", "671b0552df1f8d26", "865ff36ad63e8e19"),
+    "kvcompress.persist_file": ("kvcompress.persist.file", "671b0552df1f8d26", "37399ee6db205d55"),
     "kvcompress.placement": ("kvcompress.core.placement", "c0f3f3df0f100f61", "c0f3f3df0f100f61"),
     "kvcompress.plan": ("kvcompress.core.plan", "24466fbf9cbc6e32", "28303c7bc43fc7cb"),
     "kvcompress.plots": ("kvcompress.harness.plots", "c1deefede46f0c7a", "2f3b543aaf317914"),
     "kvcompress.policies": ("kvcompress.selectors", "43813673d66de38a", "ab096343d02ee6eb"),
-    "kvcompress.policies.base": ("kvcompress.core.policy", "e566e74169727071", "7bc68009c0725d78"),
+    "kvcompress.policies.base": ("kvcompress.core.policy", "e566e74169727071", "0d2dc2cb2c5ad474"),
     "kvcompress.policies.block_evict": (
         "kvcompress.selectors.eviction.block_evict",
         "c548a2ebc459cf3d",
-        "b175624c407100cc",
+        "737d8a16cc63480f",
     ),
     "kvcompress.policies.block_evict_layer": (
         "kvcompress.selectors.eviction.block_evict_layer",
@@ -269,7 +270,7 @@ DIGESTS = {
     "kvcompress.policies.block_sparse": (
         "kvcompress.selectors.pages.block_sparse",
         "eec7a39d953f37b3",
-        "7224e6ea16058fd4",
+        "c457059a32e6e3a1",
     ),
     "kvcompress.policies.block_sparse_layer": (
         "kvcompress.selectors.pages.block_sparse_layer",
@@ -295,9 +296,9 @@ DIGESTS = {
     "kvcompress.policies.expected_attention": (
         "kvcompress.selectors.eviction.expected_attention",
         "cf11d91f938c1eaf",
-        "e82211281f6262d0",
+        "b1c537e82bda5d52",
     ),
-    "kvcompress.policies.full": ("kvcompress.selectors.full", "30e0d2fe057b3597", "46b81901f2bd27d5"),
+    "kvcompress.policies.full": ("kvcompress.selectors.full", "30e0d2fe057b3597", "f34a73296078c0fd"),
     "kvcompress.policies.h2o": ("kvcompress.selectors.eviction.h2o", "b0264d2567c844a6", "af0940104857da4f"),
     "kvcompress.policies.kvzip": (
         "kvcompress.selectors.eviction.kvzip",
@@ -329,7 +330,7 @@ DIGESTS = {
     "kvcompress.policies.pyramid": (
         "kvcompress.selectors.eviction.pyramid",
         "f604e46d8d06dbca",
-        "9d3e38953fb537f6",
+        "b441f4d9211cd245",
     ),
     "kvcompress.policies.quant": ("kvcompress.selectors.quant", "33f9959a377cff33", "d55de11bc1d545f1"),
     "kvcompress.policies.rope": (
@@ -337,11 +338,11 @@ DIGESTS = {
         "f399bbc4b0be1170",
         "f399bbc4b0be1170",
     ),
-    "kvcompress.policies.schedule": ("kvcompress.selectors.schedule", "ccea40a27cc0a7c0", "455843d1be9a75a7"),
+    "kvcompress.policies.schedule": ("kvcompress.selectors.schedule", "ccea40a27cc0a7c0", "3d52ea520adefddd"),
     "kvcompress.policies.sliding_window": (
         "kvcompress.selectors.sliding_window",
         "85772e93e18bd854",
-        "9c6d597f79f417de",
+        "82246d9764f87216",
     ),
     "kvcompress.policies.snapkv": (
         "kvcompress.selectors.eviction.snapkv",
@@ -351,7 +352,7 @@ DIGESTS = {
     "kvcompress.policies.tiered": (
         "kvcompress.selectors.pages.tiered",
         "c631340266af9179",
-        "e20a819a6d901291",
+        "86f049e24c40799e",
     ),
     "kvcompress.policies.tiered_layer": (
         "kvcompress.selectors.pages.tiered_layer",
@@ -369,7 +370,7 @@ DIGESTS = {
         "699f371bbb08dad5",
     ),
     "kvcompress.profiling": ("kvcompress.core.profiling", "4977440a3fa338f4", "4977440a3fa338f4"),
-    "kvcompress.registry": ("kvcompress.core.registry", "696ab4aeb853ad10", "bc571360f45e46ca"),
+    "kvcompress.registry": ("kvcompress.core.registry", "696ab4aeb853ad10", "4879a3d85bfd247b"),
     "kvcompress.report": ("kvcompress.harness.report", "52d6ee38d9f79b30", "be4ef1132aabf707"),
     "kvcompress.results": ("kvcompress.harness.results", "764cecbba318c72c", "c5f356416374d03b"),
     "kvcompress.sources": ("kvcompress.core.sources", "297c44101c72fea3", "ebe7d6bbc809f061"),

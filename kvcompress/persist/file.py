@@ -4,11 +4,11 @@ device, its format the one this code writes.
 A file is refused with an error that names it and what is wrong: not a safetensors file or truncated; a
 header that is not kvcompress's JSON; a class outside kvcompress and the registered plugins (refused before
 anything is imported, ``registry.trusted``); a tensor missing, or whose bytes differ from the digest saved
-with it (corrupt); of a format version other than 1 (read through ``kvcompress.persist.aliases``) or
-``VERSION``; or written by other code. The version of the format is the code that wrote it
-(``kvcompress.core.sources``): the header holds the digests of ``CORE`` and, per layer, of every module
-defining
-the layer's, its store's and their configs' classes and their bases (nested stores and saved objects too).
+with it (corrupt); of a format version other than ``VERSION`` (files written before the package move, with
+no version in their header, are read through ``kvcompress.persist.aliases``); or written by other code.
+The version of the format is the code that wrote it (``kvcompress.core.sources``): the header holds the
+digests of ``CORE`` and, per layer, of every module defining the layer's, its store's and their configs'
+classes and their bases (nested stores and saved objects too).
 A module whose source differs, or one this code's layer is built from that the file does not list, means
 the state may be laid out differently: save the cache again with this code. Each layer's tensors go to the
 device its attention runs on (``kvcompress.core.placement``).
@@ -72,7 +72,7 @@ def read_header(path) -> dict:
         raise ValueError(
             f"load_cache: {path} is corrupt: its {HEADER_KEY!r} header is not JSON ({err})"
         ) from err
-    header = upgrade(header)  # a file written before the move of modules (version 1), read as version 2
+    header = upgrade(header)  # a file written before the package move (no version), read as this version
     _check_header(path, header)
     return header
 
@@ -81,11 +81,6 @@ def _check_header(path, header) -> None:
     """The format, the keys this code reads, the code of the layout itself, and only trusted class names."""
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise ValueError(f"load_cache: {path} is not a kvcompress cache file (format is not {FORMAT!r})")
-    if header.get("version") != VERSION:
-        raise ValueError(
-            f"load_cache: {path} is format version {header.get('version')!r}; this kvcompress reads "
-            f"versions 1 (through kvcompress.persist.aliases) and {VERSION}; {AGAIN}"
-        )
     missing = [key for key in KEYS if key not in header]
     if not missing and not all(isinstance(layer, dict) for layer in header["layers"]):
         raise ValueError(f"load_cache: {path} is corrupt: its header's layers are not state trees")
@@ -93,6 +88,12 @@ def _check_header(path, header) -> None:
         version = f" (format version {header['version']})" if "version" in header else ""
         raise ValueError(
             f"load_cache: {path} lacks {missing}: written by another kvcompress{version}; {AGAIN}"
+        )
+    if header.get("version") != VERSION:
+        raise ValueError(
+            f"load_cache: {path} is format version {header.get('version')!r}; this kvcompress reads version "
+            f"{VERSION} and, through kvcompress.persist.aliases, files written before the package move; "
+            f"{AGAIN}"
         )
     for i, layer in enumerate(header["layers"]):
         names = [layer.get("class"), layer.get("store_class"), *class_names(layer), *layer.get("code", {})]

@@ -1,5 +1,6 @@
 """Write the cache files that ``tests/test_cache_aliases.py`` loads: caches saved by the code before a move
-of modules (format version 1), so the alias table that maps old class names to new is tested on real files.
+of modules (unversioned headers: format version 2), so the alias table that maps old class names to new is
+tested on real files.
 
 Run once, by the code being replaced (``python tests/data/make_old_caches.py``); the files are committed.
 The model's weights are integers over 1000, so every CPU builds the same model (same fingerprint).
@@ -64,7 +65,7 @@ def main() -> None:
         cache = kvcompress.build_cache(policy, model, **params)
         with torch.inference_mode():
             model(prompt(), cache=cache, use_cache=True)
-        kvcompress.persist.save(cache, HERE / f"cache_v1_{name}.safetensors", model)
+        kvcompress.persist.save(cache, HERE / f"cache_premove_{name}.safetensors", model)
 
 
 if __name__ == "__main__":
