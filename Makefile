@@ -41,8 +41,9 @@ bench-scores: install
 results: install
 	$(BIN)/python scripts/collect.py --docs
 
+# Style, formatting, and the package's layers (.importlinter: no import upward, no cycles).
 lint: install
-	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-imports
 
 # Side-by-side of quantized caches (ours vs transformers' QuantizedCache); about 80 min on 2 shared CPU cores.
 bench-quant: install

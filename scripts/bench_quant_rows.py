@@ -39,14 +39,14 @@ def rows(grid_chunk: int) -> list[Row]:
         for group in (32, 64):
             for residual in (128, 0):
                 chunk = 1 if (group, residual) == (32, 128) else grid_chunk
-                params = dict(bits=bits, group_size=group, residual_length=residual)
+                params = dict(bits=bits, group_size=group, recent=residual)
                 out.append(Row(f"quant int{bits} g{group} r{residual}", "ours", "quant", params, chunk))
     # 6 bits per quantized element, as transformers' int4 spends with its float32 scales and shifts
-    out.append(Row("quant int4 g16 r128", "ours", "quant", dict(bits=4, group_size=16, residual_length=128)))
-    params = dict(bits=4, group_size=16, residual_length=128, key_axis="token")
+    out.append(Row("quant int4 g16 r128", "ours", "quant", dict(bits=4, group_size=16, recent=128)))
+    params = dict(bits=4, group_size=16, recent=128, key_axis="token")
     out.append(Row("quant int4 g16 r128 keys-per-token", "ours", "quant", params))
     for bits in (4, 2):  # transformers' grouping of keys, to separate grouping from everything else
-        params = dict(bits=bits, group_size=32, residual_length=128, key_axis="token")
+        params = dict(bits=bits, group_size=32, recent=128, key_axis="token")
         out.append(Row(f"quant int{bits} g32 r128 keys-per-token", "ours", "quant", params))
     out.append(Row("hf fp8 (per-tensor)", "hf", "fp8"))
     for bits in (4, 2):  # transformers' defaults: axis 0 (groups of consecutive channels of a token)

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from kvcompress import build_cache, load_cache, save_cache
 from kvcompress.persist import HEADER_KEY, read_header
-from kvcompress.persist.aliases import VERSION
+from kvcompress.persist.aliases import FIELDS, VERSION
 
 DATA = Path(__file__).resolve().parent / "data"
 _spec = importlib.util.spec_from_file_location("make_old_caches", DATA / "make_old_caches.py")
@@ -24,8 +24,9 @@ _spec.loader.exec_module(old)
 
 
 def _built(model, name: str):
+    """The case as this code builds it: its pre-move field names renamed (``aliases.FIELDS``)."""
     policy, params = old.CASES[name]
-    cache = build_cache(policy, model, **params)
+    cache = build_cache(policy, model, **_renamed(params))
     with torch.inference_mode():
         model(old.prompt(), cache=cache, use_cache=True)
     return cache
@@ -95,3 +96,9 @@ def _classes(node) -> list[str]:
     keys = ("class", "store_class", "object", "namedtuple", "_target_")
     own = [v for k, v in node.items() if k in keys and isinstance(v, str)]
     return own + [c for v in node.values() for c in _classes(v)]
+
+
+def _renamed(params):
+    if isinstance(params, dict):
+        return {FIELDS.get(k, k): _renamed(v) for k, v in params.items()}
+    return params

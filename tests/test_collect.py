@@ -101,8 +101,8 @@ def test_plot_labels_keep_only_the_swept_fields():
     from kvcompress.harness.plots import varying_params
 
     rows = [
-        {"params": "bits=2 group_size=32 residual_length=128"},
-        {"params": "bits=8 group_size=32 residual_length=128"},
+        {"params": "bits=2 group_size=32 recent=128"},
+        {"params": "bits=8 group_size=32 recent=128"},
     ]
     assert varying_params(rows) == ["bits=2", "bits=8"]
-    assert varying_params(rows[:1]) == ["bits=2 group_size=32 residual_length=128"]
+    assert varying_params(rows[:1]) == ["bits=2 group_size=32 recent=128"]

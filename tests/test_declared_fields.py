@@ -75,3 +75,20 @@ def test_a_field_of_that_name_is_still_its_own():
     assert make_policy("sliding_window", window=64).window == 64
     with pytest.raises(ValueError, match=r"storage 'quant' has no field\(s\) \['window'\]"):
         from_name("storage", "quant", {"window": 4})
+
+
+def test_the_newest_exact_tokens_have_one_name_and_the_old_one_is_refused_naming_it():
+    """``recent`` in selectors and storages alike; the storages' former ``residual_length`` names it."""
+    from kvcompress.core.cache import make_policy as policy
+    from kvcompress.core.registry import make_storage
+
+    assert make_storage({"name": "quant", "recent": 8}).recent == 8
+    for make in (
+        lambda: make_storage({"name": "quant", "residual_length": 8}),
+        lambda: policy("quant", residual_length=8),
+        lambda: policy("full", storage={"name": "low_rank", "residual_length": 8}),
+    ):
+        with pytest.raises(
+            ValueError, match=r"\.residual_length was removed: use recent \(the newest tokens"
+        ):
+            make()

@@ -70,7 +70,7 @@ def test_block_sparse_recall_counts_only_the_pages_read(llama, text):
 
 def test_quant_int8_recall_one_and_output_error_within_its_scales(llama, text):
     full = build_cache("full", llama)
-    cache = build_cache("quant", llama, bits=8, group_size=4, residual_length=8)
+    cache = build_cache("quant", llama, bits=8, group_size=4, recent=8)
     probes = Lockstep(full, cache)
     queries = []
     spy = probes.full.attended

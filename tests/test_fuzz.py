@@ -251,7 +251,7 @@ def test_storage_state_adds_to_the_selectors_allowance(tmp_path):
     holds both tokens exactly (its residual window) plus their positions: more than H2O's own allowance,
     within H2O's and the storage's together."""
     calibration = {"calibration_text": "random", "calibration_tokens": 64, "calibration_dir": str(tmp_path)}
-    storage = {"name": "low_rank", "rank": 1, "residual_length": 2, "basis": "head", **calibration}
+    storage = {"name": "low_rank", "rank": 1, "recent": 2, "basis": "head", **calibration}
     policy = make_policy("h2o", budget=2, compression_ratio=None, observation_window=1, storage=storage)
     ids = torch.tensor([[82, 32]])
     cache, full = build_cache(policy, MODEL), build_cache("full", MODEL)

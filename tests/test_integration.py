@@ -62,7 +62,7 @@ def test_cli_writes_results_record(tmp_path):
 def test_quant_perplexity_near_full_with_packed_bytes(real_model, essay_ids, bits, tolerance):
     model, _ = real_model
     full = decode_perplexity(model, essay_ids, build_cache("full", model), chunk_size=4, progress=False)
-    cache = build_cache("quant", model, bits=bits, group_size=32, residual_length=32)
+    cache = build_cache("quant", model, bits=bits, group_size=32, recent=32)
     got = decode_perplexity(model, essay_ids, cache, chunk_size=4, progress=False)
     assert got["perplexity"] < full["perplexity"] * tolerance
     quantized, residual = (191 - 32) // 32 * 32, 191 - (191 - 32) // 32 * 32  # 128 and 63 tokens

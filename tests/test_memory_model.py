@@ -110,7 +110,7 @@ def test_bench_rows_report_predicted_bytes(tmp_path, capsys):
     cfg = OmegaConf.create(
         dict(
             policies=["quant", "h2o"],
-            policy_overrides={"quant": {"group_size": 4, "residual_length": 8}},
+            policy_overrides={"quant": {"group_size": 4, "recent": 8}},
             peers=["dynamic"],
             lengths=[40, 300],
             text=str(text),

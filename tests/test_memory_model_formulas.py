@@ -33,7 +33,7 @@ def test_quant_int4_g32_r128_at_1024_tokens(spec):
     residual = 3 * 128 * 64 * 2
     per_layer = 2 * (codes + scale_zero + residual)  # keys and values
     assert per_layer == 313_344
-    got = predicted_bytes(make_policy("quant", bits=4, group_size=32, residual_length=128), spec, 1024, BF16)
+    got = predicted_bytes(make_policy("quant", bits=4, group_size=32, recent=128), spec, 1024, BF16)
     assert got == 30 * per_layer
     assert got / kv_bytes(1024) == pytest.approx(0.398, abs=1e-3)
 
@@ -88,7 +88,7 @@ def test_low_rank_int8_coefficients_with_residual(spec):
     residual, bases = 2 * 3 * 64 * 64 * 2, 3 * 64 * 32 * 4  # float32 bases whatever the model dtype
     policy = LowRankPolicy(
         rank=16,
-        residual_length=64,
+        recent=64,
         int8_coefficients=True,
         basis="head",
         keys="post_rope",
@@ -104,7 +104,7 @@ def test_low_rank_pre_rope_joint_counts_positions_and_joint_bases(spec):
     positions = 3 * 1000 * 4  # int32 per stored token and head, residual included
     residual = 2 * 3 * 64 * 64 * 2
     bases = 3 * (3 * 64) * (16 * 3) * 4  # (H * D, 3 * rank): a key encoder and decoder, a value basis
-    policy = LowRankPolicy(rank=16, residual_length=64, int8_coefficients=True)
+    policy = LowRankPolicy(rank=16, recent=64, int8_coefficients=True)
     assert predicted_bytes(policy, spec, 1000, BF16) == 30 * (coef + scales + positions + residual + bases)
 
 

@@ -14,7 +14,7 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 CASES = {
     "full": ["policy=full"],
     "h2o": ["policy=h2o", "policy.budget=20", "policy.compression_ratio=null", "policy.recent=4"],
-    "quant": ["policy=quant", "policy.bits=2", "policy.group_size=4", "policy.residual_length=8"],
+    "quant": ["policy=quant", "policy.bits=2", "policy.group_size=4", "policy.recent=8"],
     "low_rank": ["policy=low_rank", "policy.rank=4", "policy.calibration_text=random", "policy.energy=null"],
 }
 

@@ -12,8 +12,8 @@ run() {
 }
 T="task.max_tokens=1024 task.speed=false task.slices=1"
 P="task.max_tokens=2048 task.prefix_tokens=1024 task.speed=false task.slices=1"
-Q4R32='policy.values={name:quant,bits:4,residual_length:32}'
-Q4R64='policy.values={name:quant,bits:4,residual_length:64}'
+Q4R32='policy.values={name:quant,bits:4,recent:32}'
+Q4R64='policy.values={name:quant,bits:4,recent:64}'
 D='policy.values=dense'
 OLD="policy.keys=post_rope policy.basis=head policy.key_objective=keys"  # the storage before pre-RoPE joint bases
 run full policy=full $T

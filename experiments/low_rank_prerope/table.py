@@ -28,7 +28,9 @@ def describe(policy: dict) -> str:
     if values is None:
         values = f"values r{policy.get('value_rank') or policy['rank']}"
     elif values.get("name") == "quant":
-        values = f"values int{values.get('bits', 4)} r{values.get('residual_length', 128)}"
+        values = (
+            f"values int{values.get('bits', 4)} r{values.get('recent', values.get('residual_length', 128))}"
+        )
     else:
         values = f"values {values['name']}"
     int8 = ", int8 coefficients" if policy.get("int8_coefficients") else ""

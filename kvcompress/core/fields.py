@@ -99,16 +99,23 @@ def bad_values(cls) -> list[tuple[str, object]]:
 
 
 # Fields removed in 0.x, each with what replaced it: a config that still sets one is refused naming the new
-# field (one word, one meaning: ``window`` is the sliding window's kept tokens only).
+# field (one word, one meaning: ``window`` is the sliding window's kept tokens only, ``recent`` the newest
+# tokens kept exact by a selector or a storage).
 RENAMED = {
-    "window": "observation_window (the prompt queries whose attention is scored)",
-    "keep_ratio": "compression_ratio (the fraction removed: 1 - keep_ratio)",
+    "policy": {
+        "window": "observation_window (the prompt queries whose attention is scored)",
+        "keep_ratio": "compression_ratio (the fraction removed: 1 - keep_ratio)",
+        "residual_length": "recent (the newest tokens kept exact, here in the model's dtype)",  # presets
+    },
+    "storage": {"residual_length": "recent (the newest tokens kept exact, here in the model's dtype)"},
 }
 
 
-def refuse_renamed(name: str, fields: set[str], given) -> None:
-    """Raise for a removed field in ``given`` (keyword names) that ``fields`` (the class's own) lacks."""
-    old = [k for k in given if k in RENAMED and k not in fields]
+def refuse_renamed(name: str, fields: set[str], given, group: str = "policy") -> None:
+    """Raise for a removed field of ``group`` in ``given`` (keyword names) that ``fields`` (the class's own)
+    lacks."""
+    renamed = RENAMED[group]
+    old = [k for k in given if k in renamed and k not in fields]
     if old:
-        uses = "; ".join(f"{name}.{k} was removed: use {RENAMED[k]}" for k in old)
+        uses = "; ".join(f"{name}.{k} was removed: use {renamed[k]}" for k in old)
         raise ValueError(uses)

@@ -128,8 +128,7 @@ def from_name(group: str, name: str, params: dict, always: tuple = ()):
     """Instantiate ``group/name`` with field overrides ``params`` (each must be a field of its YAML)."""
     cfg = load(group, name)
     unknown = set(params) - set(cfg) - set(always)
-    if group == "policy":  # a removed selector field: say what replaced it
-        refuse_renamed(name, set(cfg), sorted(unknown))
+    refuse_renamed(name, set(cfg), sorted(unknown), group)  # a removed field: say what replaced it
     if unknown:
         raise ValueError(
             f"{group} {name!r} has no field(s) {sorted(unknown)}; fields: {sorted(set(cfg) - {'_target_'})}"

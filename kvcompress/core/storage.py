@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from kvcompress.core.fields import validate
+from kvcompress.core.fields import refuse_renamed, validate
 from kvcompress.core.spec import ModelSpec, Shape
 
 KINDS = ("keys", "values")
@@ -35,6 +35,12 @@ class Storage:
     FUZZ: ClassVar[dict] = {}
     MAX_MEMORY_RATIO: ClassVar[float] = 1.0
     FORMULA: ClassVar[bool] = False  # True in a class whose bytes_for describes it exactly
+
+    def __new__(cls, *args, **kwargs):
+        """Refuse a removed field by name, saying what replaced it, before the dataclass sees it."""
+        self = super().__new__(cls)
+        refuse_renamed(cls.name, {f.name for f in dataclasses.fields(cls)}, kwargs, "storage")
+        return self
 
     def __post_init__(self):
         validate(self, self.name)

@@ -2,7 +2,8 @@
 version) load through this explicit table; files written since carry ``"version": 3``. (Version 1, before
 headers held code digests, is refused: it cannot say which code wrote it.)
 
-``MOVED`` renames the modules (and packages) such a file names: layer, store and nested classes, the
+``MOVED`` renames the modules (and packages) such a file names (and ``FIELDS`` the fields of its
+configs renamed since): layer, store and nested classes, the
 ``_target_`` of its policy config, the modules of its code digests. ``DIGESTS`` (generated from the commit
 before the move, ``BEFORE``, by ``scripts/persist_aliases.py``) pairs each module's digest then with its new
 module's digest at the move: a file whose code was the code of the move is read as if written now; a digest
@@ -92,6 +93,7 @@ MOVED = {  # old module -> new module, below ``kvcompress.``
     "loggers": "harness.loggers",
 }
 MOVED = {f"kvcompress.{k}": f"kvcompress.{v}" for k, v in MOVED.items()}
+FIELDS = {"residual_length": "recent"}  # config fields renamed since (``fields.RENAMED``)
 CLASS_KEYS = ("class", "store_class", "object", "namedtuple", "_target_")
 
 
@@ -120,7 +122,9 @@ def _renamed(node):
     if not isinstance(node, dict):
         return node
     out = {}
+    config = isinstance(node.get("_target_"), str)  # a policy or storage config: its fields' names too
     for key, value in node.items():
+        key = FIELDS.get(key, key) if config else key
         if key in CLASS_KEYS and isinstance(value, str):
             out[key] = new_name(value)
         elif key == "code" and isinstance(value, dict):
@@ -184,7 +188,7 @@ DIGESTS = {
     "kvcompress.docgen.records": (
         "kvcompress.harness.docgen.records",
         "70eecece50a825bf",
-        "2e7d5fd6a14f8e3a",
+        "d717eb9aa324d2b5",
     ),
     "kvcompress.eval": ("kvcompress.eval", "7994fea4e209d89c", "7994fea4e209d89c"),
     "kvcompress.eval.adapter": ("kvcompress.eval.adapter", "d2c69dc58de2eb14", "92f33326948ce904"),
@@ -206,7 +210,7 @@ DIGESTS = {
     "kvcompress.eval.taskdata": ("kvcompress.eval.taskdata", "0ed2c738ec781d37", "48e295bd8088b3bb"),
     "kvcompress.executor": ("kvcompress.core.executor", "c9167322c50e4651", "547f20f9d1b1d3cd"),
     "kvcompress.families": ("kvcompress.core.families", "b8e066746e0d745d", "b8e066746e0d745d"),
-    "kvcompress.fields": ("kvcompress.core.fields", "e05b406920365a4e", "e05b406920365a4e"),
+    "kvcompress.fields": ("kvcompress.core.fields", "e05b406920365a4e", "cec1ba223f970989"),
     "kvcompress.forward_state": ("kvcompress.core.forward_state", "e5487aa6cc539b44", "e5487aa6cc539b44"),
     "kvcompress.fused": ("kvcompress.core.fused", "844c413d874660a5", "e3a8306f375ee073"),
     "kvcompress.fused_low_rank": (
@@ -321,7 +325,7 @@ DIGESTS = {
         "776b7358324489b9",
         "fa0fbd241096b20d",
     ),
-    "kvcompress.policies.low_rank": ("kvcompress.selectors.low_rank", "c9ced910107b8194", "3ca9f51d6471074c"),
+    "kvcompress.policies.low_rank": ("kvcompress.selectors.low_rank", "c9ced910107b8194", "50f46b1f08feeceb"),
     "kvcompress.policies.model_window": (
         "kvcompress.core.model_window",
         "a5e6040d1afdc6ae",
@@ -332,7 +336,7 @@ DIGESTS = {
         "f604e46d8d06dbca",
         "b441f4d9211cd245",
     ),
-    "kvcompress.policies.quant": ("kvcompress.selectors.quant", "33f9959a377cff33", "d55de11bc1d545f1"),
+    "kvcompress.policies.quant": ("kvcompress.selectors.quant", "33f9959a377cff33", "5095d6dc7dc3f1c0"),
     "kvcompress.policies.rope": (
         "kvcompress.selectors.eviction.rope",
         "f399bbc4b0be1170",
@@ -370,21 +374,21 @@ DIGESTS = {
         "699f371bbb08dad5",
     ),
     "kvcompress.profiling": ("kvcompress.core.profiling", "4977440a3fa338f4", "4977440a3fa338f4"),
-    "kvcompress.registry": ("kvcompress.core.registry", "696ab4aeb853ad10", "4879a3d85bfd247b"),
+    "kvcompress.registry": ("kvcompress.core.registry", "696ab4aeb853ad10", "1ba2b7ea563947b2"),
     "kvcompress.report": ("kvcompress.harness.report", "52d6ee38d9f79b30", "be4ef1132aabf707"),
     "kvcompress.results": ("kvcompress.harness.results", "764cecbba318c72c", "c5f356416374d03b"),
     "kvcompress.sources": ("kvcompress.core.sources", "297c44101c72fea3", "ebe7d6bbc809f061"),
     "kvcompress.spec": ("kvcompress.core.spec", "77e7899d4c31d413", "77e7899d4c31d413"),
     "kvcompress.state": ("kvcompress.persist.state", "d7b7e851a2519e99", "0db6a90bdcbd13ce"),
     "kvcompress.storage": ("kvcompress.storage", "c74eb30508c1aaa2", "9f8aae1f49a4fdae"),
-    "kvcompress.storage.base": ("kvcompress.core.storage", "d3561fa811def090", "e1a4b0294dc1b64e"),
+    "kvcompress.storage.base": ("kvcompress.core.storage", "d3561fa811def090", "d9216c938488b0fb"),
     "kvcompress.storage.buffers": ("kvcompress.core.buffers", "05b8b6d6e3d14a3b", "05b8b6d6e3d14a3b"),
     "kvcompress.storage.cold": ("kvcompress.storage.offload.cold", "b54b9a1bd68980a9", "a74c726d329621b4"),
     "kvcompress.storage.dense": ("kvcompress.storage.dense", "bf9777a6c0e37701", "80966fef19c084de"),
     "kvcompress.storage.low_rank": (
         "kvcompress.storage.low_rank.storage",
         "b43b0af3c07da3a9",
-        "e452306614b8a58d",
+        "488a68ff8e165d92",
     ),
     "kvcompress.storage.low_rank_bases": (
         "kvcompress.storage.low_rank.bases",
@@ -399,7 +403,7 @@ DIGESTS = {
     "kvcompress.storage.low_rank_store": (
         "kvcompress.storage.low_rank.store",
         "c3f2aad002e05c21",
-        "541701faf3ae18ab",
+        "b7a92a48c6023d45",
     ),
     "kvcompress.storage.offload": (
         "kvcompress.storage.offload.storage",
@@ -411,7 +415,7 @@ DIGESTS = {
         "f4bcb1c24a27ce0f",
         "f4bcb1c24a27ce0f",
     ),
-    "kvcompress.storage.quant": ("kvcompress.storage.quant.kivi", "4da23bd0b30a660b", "8fabc99e7d20878f"),
+    "kvcompress.storage.quant": ("kvcompress.storage.quant.kivi", "4da23bd0b30a660b", "f9163ed2c4588feb"),
     "kvcompress.storage.quantizer": (
         "kvcompress.storage.quant.quantizer",
         "76cced179cab3d68",

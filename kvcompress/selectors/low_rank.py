@@ -20,19 +20,19 @@ class LowRankPolicy(StoragePreset):
 
     storage_class = LowRankStorage
     FORMULA = True  # the memory formulas below are this class's own
-    TEST_PARAMS = {"rank": 4, "residual_length": 4, "calibration_text": "random", "calibration_tokens": 64}
+    TEST_PARAMS = {"rank": 4, "recent": 4, "calibration_text": "random", "calibration_tokens": 64}
     FUZZ = LowRankStorage.FUZZ
     MEMORY_VARIANTS = [
         {
             "rank": 5,
             "value_rank": 9,
-            "residual_length": 0,
+            "recent": 0,
             "calibration_text": "random",
             "calibration_tokens": 64,
         },
         {
             "rank": 6,
-            "residual_length": 40,
+            "recent": 40,
             "int8_coefficients": True,
             "calibration_text": "random",
             "calibration_tokens": 64,
@@ -46,14 +46,14 @@ class LowRankPolicy(StoragePreset):
         },
         {
             "rank": 4,
-            "values": {"name": "quant", "bits": 4, "group_size": 8, "residual_length": 16},
+            "values": {"name": "quant", "bits": 4, "group_size": 8, "recent": 16},
             "calibration_text": "random",
             "calibration_tokens": 64,
         },
         {
             "rank": 3,
             "basis": "group",
-            "residual_length": 10,
+            "recent": 10,
             "values": "dense",
             "calibration_text": "random",
             "calibration_tokens": 64,
@@ -69,7 +69,7 @@ class LowRankPolicy(StoragePreset):
     basis: str = Choice("joint", BLOCKS)
     group_size: int = Int(2, low=1)
     values: object = None
-    residual_length: int = Int(0, low=0)
+    recent: int = Int(0, low=0)
     int8_coefficients: bool = Bool(False)
     calibration_text: str = "pg_essays"
     calibration_tokens: int = Int(2048, low=1)

@@ -20,16 +20,16 @@ class QuantPolicy(StoragePreset):
 
     storage_class = QuantStorage
     FORMULA = True  # the memory formulas below are this class's own
-    TEST_PARAMS = {"group_size": 4, "residual_length": 8}
+    TEST_PARAMS = {"group_size": 4, "recent": 8}
     FUZZ = QuantStorage.FUZZ
     MEMORY_VARIANTS = [
-        {"bits": 2, "group_size": 8, "residual_length": 20, "key_axis": "token"},
-        {"bits": 8, "group_size": 16, "residual_length": 0, "scale_dtype": "float32"},
+        {"bits": 2, "group_size": 8, "recent": 20, "key_axis": "token"},
+        {"bits": 8, "group_size": 16, "recent": 0, "scale_dtype": "float32"},
     ]
 
     bits: int = Choice(4, BITS)
     group_size: int = Int(32, low=1)
-    residual_length: int = Int(128, low=0)
+    recent: int = Int(128, low=0)
     key_axis: str = Choice("channel", AXES)
     value_axis: str = Choice("token", AXES)
     scale_dtype: str = Choice("auto", tuple(SCALE_DTYPES))

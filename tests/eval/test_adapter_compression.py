@@ -57,7 +57,7 @@ def test_full_is_never_flagged_and_quant_counts_by_bytes(tiny_checkpoint):
     result, warned = _compression(full)
     assert set(result.pop("attention_backends")) == {"sdpa"}  # full reads dense key/value through SDPA
     assert result == {"tokens_evicted": 0, "read_ratio": 1.0, "compressed": False} and warned == []
-    quant = _lm(tiny_checkpoint, policy="quant", bits=4, group_size=4, residual_length=8, chunk_size=1)
+    quant = _lm(tiny_checkpoint, policy="quant", bits=4, group_size=4, recent=8, chunk_size=1)
     quant._model_call(IDS)
     result, warned = _compression(quant)
     assert result.pop("attention_backends")  # which backends ran: the quant kernel where it builds

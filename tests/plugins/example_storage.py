@@ -2,7 +2,7 @@
 (contract, selector x storage product, fuzz, memory model, bad inputs) picks it up with no other change.
 
 FP8 keys and values: each token's vector of one KV head is scaled by its absolute maximum into the E4M3
-range and stored as one byte per element, with one float16 scale per token; the newest ``residual_length``
+range and stored as one byte per element, with one float16 scale per token; the newest ``recent``
 tokens stay in the model's dtype. The FP8 format: Micikevicius et al., "FP8 Formats for Deep Learning",
 arXiv 2209.05433. A per-token codec, so eviction keeps the codes as they are (never re-encoded).
 """
@@ -37,26 +37,26 @@ class Fp8Store(ResidualStore):
         return out
 
     def flush_count(self, residual: int) -> int:
-        return residual - self.config.residual_length
+        return residual - self.config.recent
 
 
 @dataclass
 class Fp8Storage(Storage):
-    """One byte per element plus a float16 scale per token and KV head; ``residual_length`` newest exact."""
+    """One byte per element plus a float16 scale per token and KV head; ``recent`` newest exact."""
 
     name = "fp8"
     store_class = Fp8Store
     FORMULA = True  # bytes_for below is this class's own
-    TEST_PARAMS = [{"residual_length": 4}]
-    FUZZ = {"residual_length": (0, 20)}
+    TEST_PARAMS = [{"recent": 4}]
+    FUZZ = {"recent": (0, 20)}
 
-    residual_length: int = Int(32, low=0)
+    recent: int = Int(32, low=0)
 
     def covering(self, n_tokens: int) -> Fp8Storage:
-        return dataclasses.replace(self, residual_length=max(self.residual_length, n_tokens))
+        return dataclasses.replace(self, recent=max(self.recent, n_tokens))
 
     def bytes_for(self, s: Shape, tokens: int) -> int:
         """``E = max(0, T - R)`` encoded tokens: ``B * H_kv * E * (D + 2)`` bytes per tensor, the rest
         ``kv(T - E)``."""
-        encoded = max(0, tokens - self.residual_length)
+        encoded = max(0, tokens - self.recent)
         return 2 * s.batch * s.kv_heads * encoded * (s.head_dim + 2) + s.kv(tokens - encoded)

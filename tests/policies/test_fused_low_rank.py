@@ -16,9 +16,9 @@ from kvcompress.selectors import LowRankPolicy
 
 CASES = [
     {"keys": "post_rope", "basis": "head"},
-    {"keys": "post_rope", "basis": "joint", "residual_length": 5},
+    {"keys": "post_rope", "basis": "joint", "recent": 5},
     {"keys": "pre_rope", "basis": "joint"},
-    {"keys": "pre_rope", "basis": "head", "residual_length": 3, "int8_coefficients": True},
+    {"keys": "pre_rope", "basis": "head", "recent": 3, "int8_coefficients": True},
     {"keys": "post_rope", "basis": "group", "group_size": 1, "int8_coefficients": True, "value_rank": 5},
     {"keys": "post_rope", "basis": "joint", "values": "dense"},
     {"keys": "pre_rope", "basis": "head", "values": {"name": "quant", "bits": 4, "group_size": 4}},
@@ -47,7 +47,7 @@ def test_latent_attention_gives_the_logits_of_reconstruction(case, chunk, llama,
         calls = _counted(cache)
         prefill = stream_logits(llama, prompt, cache, chunk=chunk)
         logits[mode] = torch.cat([prefill, stream_logits(llama, rest, cache, chunk=1)], dim=1)
-        steps = rest.shape[1] + (19 - case.get("residual_length", 0) if chunk == 1 else 0)
+        steps = rest.shape[1] + (19 - case.get("recent", 0) if chunk == 1 else 0)
         assert len(calls) == (0 if mode == "off" else 3 * steps)  # one-query steps with encoded tokens
     torch.testing.assert_close(logits["on"], logits["off"], rtol=1e-5, atol=1e-5)
 
@@ -57,7 +57,7 @@ def test_perplexity_is_unchanged_by_latent_attention(tmp_path):
     ids = torch.randint(2, 90, (1, 64), generator=torch.Generator().manual_seed(3))
     ppl = {}
     for mode in ("off", "auto"):
-        cache = build_cache(policy(tmp_path, fused_attention=mode, residual_length=4), model)
+        cache = build_cache(policy(tmp_path, fused_attention=mode, recent=4), model)
         calls = _counted(cache)
         ppl[mode] = decode_perplexity(model, ids, cache, progress=False)["perplexity"]
         assert len(calls) == (0 if mode == "off" else 3 * (62 - 4))  # 63 steps, the first 5 all exact
@@ -68,7 +68,7 @@ def test_unpadded_batch_attends_in_the_latent_space_per_row(llama, tmp_path):
     ids = torch.randint(2, 90, (2, 30), generator=torch.Generator().manual_seed(5))
     out = {}
     for mode in ("off", "on"):
-        cache = build_cache(policy(tmp_path, fused_attention=mode, residual_length=2), llama)
+        cache = build_cache(policy(tmp_path, fused_attention=mode, recent=2), llama)
         calls = _counted(cache)
         out[mode] = torch.cat(
             [stream_logits(llama, ids[:, :12], cache, 12), stream_logits(llama, ids[:, 12:], cache, 1)], 1

@@ -64,7 +64,7 @@ def test_kernel_vector_path_equals_attention_over_the_dequantized_copy(bits, gro
 
 
 def _perplexity(model, ids, mode):
-    cache = build_cache("quant", model, bits=4, group_size=8, residual_length=8, fused_attention=mode)
+    cache = build_cache("quant", model, bits=4, group_size=8, recent=8, fused_attention=mode)
     calls = Compact(cache)
     return decode_perplexity(model, ids, cache, progress=False)["perplexity"], len(calls)
 
@@ -112,7 +112,7 @@ def test_auto_falls_back_to_eager_once_compile_fails(monkeypatch):
 
 
 def test_a_deferred_step_outside_kvcompress_attention_fails_loudly(llama, tokens):
-    cache = build_cache("quant", llama, bits=4, group_size=4, residual_length=4, fused_attention="eager")
+    cache = build_cache("quant", llama, bits=4, group_size=4, recent=4, fused_attention="eager")
     llama(tokens[:, :20], cache=cache, use_cache=True)
     llama.set_attn_implementation("sdpa")  # attention that does not read the store
     logits = llama(tokens[:, 20:21], cache=cache, use_cache=True).logits
@@ -120,7 +120,7 @@ def test_a_deferred_step_outside_kvcompress_attention_fails_loudly(llama, tokens
 
 
 def test_unsupported_axes_read_the_dense_copy(llama, tokens):
-    cache = build_cache("quant", llama, bits=4, group_size=4, residual_length=4, key_axis="token")
+    cache = build_cache("quant", llama, bits=4, group_size=4, recent=4, key_axis="token")
     llama(tokens[:, :20], cache=cache, use_cache=True)
     logits = llama(tokens[:, 20:21], cache=cache, use_cache=True).logits
     assert not cache.layers[0].store.attends_codes() and logits.isfinite().all()
@@ -143,7 +143,7 @@ def test_kernel_mode_without_a_build_is_refused_naming_each_backend(monkeypatch)
     # auto without the kernel reads the dense copy on a CPU (the tensor forms are slower there)
     llama = make_tiny("llama")
     ids = torch.randint(2, 90, (1, 24), generator=torch.Generator().manual_seed(1))
-    cache = build_cache("quant", llama, bits=4, group_size=4, residual_length=4)
+    cache = build_cache("quant", llama, bits=4, group_size=4, recent=4)
     for t in range(ids.shape[1]):
         llama(ids[:, t : t + 1], cache=cache, use_cache=True)
     assert all(layer.store.attends_codes() for layer in cache.layers)  # it offered its codes

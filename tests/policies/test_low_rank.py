@@ -58,9 +58,7 @@ def _keys_seen(cache, model, tokens, chunk=5):
 
 @pytest.mark.parametrize("keys", ["pre_rope", "post_rope"])
 def test_stores_coefficients_and_exact_residual(keys, llama, tokens, tmp_path):
-    p = policy(
-        tmp_path, rank=3, value_rank=5, residual_length=6, basis="head", keys=keys, key_objective="keys"
-    )
+    p = policy(tmp_path, rank=3, value_rank=5, recent=6, basis="head", keys=keys, key_objective="keys")
     cache = build_cache(p, llama)
     layer, seen, values = _keys_seen(cache, llama, tokens)  # (1, H_kv, 48, D)
     store = layer.store
@@ -121,7 +119,7 @@ def _shape(tokens, batch=1, dtype_bytes=4):
 def test_reconstruction_error_falls_with_rank(keys, basis, llama, tokens, tmp_path):
     errors = []
     for rank in (2, 4, 8, 12, 16):
-        p = policy(tmp_path, rank=rank, keys=keys, basis=basis, group_size=2, residual_length=0)
+        p = policy(tmp_path, rank=rank, keys=keys, basis=basis, group_size=2, recent=0)
         cache = build_cache(p, llama)
         layer, seen, _ = _keys_seen(cache, llama, tokens)
         recon = layer.store.read()[0]  # decoded (and re-rotated) keys
@@ -204,7 +202,7 @@ def test_schedule_sets_rank_per_layer(llama, tokens, tmp_path):
         ({"rank": None, "energy": 0.9, "allocation": "error"}, "low_rank.allocation='error' needs rank"),
         ({"rank": 4, "energy": 0.9}, "exactly one of rank"),
         ({"rank": None, "energy": 1.5}, "low_rank.energy"),
-        ({"residual_length": -1}, "low_rank.residual_length"),
+        ({"recent": -1}, "low_rank.recent"),
         ({"calibration_tokens": 0}, "low_rank.calibration_tokens"),
         (
             {"keys": "rotated"},

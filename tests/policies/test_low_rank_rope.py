@@ -114,7 +114,7 @@ def test_nope_layers_skip_unrotation(tmp_path):
 def test_positions_are_the_models_own(tokens, tmp_path):
     """Explicit position_ids (a prompt starting at 100) reach the store; reads rotate keys back at them."""
     model = make("llama")
-    cache = build_cache(policy(tmp_path, rank=16, residual_length=2), model)
+    cache = build_cache(policy(tmp_path, rank=16, recent=2), model)
     pos = torch.arange(100, 148)[None]
     with torch.inference_mode():
         for s in range(0, 48, 6):

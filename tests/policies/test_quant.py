@@ -30,7 +30,7 @@ def spy_keys(layer):
 @pytest.mark.parametrize("residual,group", [(5, 4), (0, 4), (8, 8), (3, 1)])
 def test_residual_boundary_and_group_alignment_are_exact(llama, tokens, residual, group):
     cache = build_cache(
-        "quant", llama, bits=4, group_size=group, residual_length=residual, fused_attention="off"
+        "quant", llama, bits=4, group_size=group, recent=residual, fused_attention="off"
     )  # "off": update returns the dense copy this test inspects
     layer = cache.layers[0]
     received, returned = spy_keys(layer)
@@ -57,7 +57,7 @@ def test_bits_per_element_and_every_byte_counted(bits, group, expected):
     model.config.head_dim = 64  # a token-axis group of 64 needs head_dim 64: rebuild with it
     model = type(model)(model.config).eval()
     ids = torch.randint(2, 95, (1, 150))
-    cache = build_cache("quant", model, bits=bits, group_size=group, residual_length=10)
+    cache = build_cache("quant", model, bits=bits, group_size=group, recent=10)
     stream_logits(model, ids, cache, chunk=37)
     for s, layer in zip(cache.stats(), cache.layers, strict=True):
         assert s["bits_per_quantized_element"] == pytest.approx(expected)
@@ -69,7 +69,7 @@ def test_bits_per_element_and_every_byte_counted(bits, group, expected):
 
 
 def test_no_float_copy_of_quantized_tokens_is_held(llama, tokens):
-    cache = build_cache("quant", llama, bits=2, group_size=4, residual_length=6)
+    cache = build_cache("quant", llama, bits=2, group_size=4, recent=6)
     stream_logits(llama, tokens, cache, chunk=1)
     for layer in cache.layers:
         residual = layer.stored_length() - layer.store.encoded_length
@@ -81,7 +81,7 @@ def test_no_float_copy_of_quantized_tokens_is_held(llama, tokens):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_models_stay_finite(dtype, tokens):
     model = make_tiny("qwen2", dtype=dtype)
-    cache = build_cache("quant", model, bits=2, group_size=4, residual_length=0)
+    cache = build_cache("quant", model, bits=2, group_size=4, recent=0)
     logits = stream_logits(model, tokens, cache, chunk=3)
     assert torch.isfinite(logits).all()
     layer = cache.layers[1]
@@ -90,7 +90,7 @@ def test_half_precision_models_stay_finite(dtype, tokens):
 
 def test_beam_reorder_moves_every_part(llama):
     ids = torch.randint(2, 95, (2, 20))
-    cache = build_cache("quant", llama, bits=4, group_size=4, residual_length=3)
+    cache = build_cache("quant", llama, bits=4, group_size=4, recent=3)
     stream_logits(llama, ids, cache, chunk=20)
     layer = cache.layers[0]
     before = [t.clone() for t in (*layer.store.qkeys, *layer.store.qvalues, layer.keys, layer.values)]
@@ -101,7 +101,7 @@ def test_beam_reorder_moves_every_part(llama):
 
 @pytest.mark.parametrize(
     "field,value",
-    [("bits", 3), ("group_size", 0), ("residual_length", -1), ("key_axis", "rows"), ("scale_dtype", "int8")],
+    [("bits", 3), ("group_size", 0), ("recent", -1), ("key_axis", "rows"), ("scale_dtype", "int8")],
 )
 def test_bad_fields_are_rejected_with_the_field_name(field, value):
     with pytest.raises(ValueError, match=f"quant.{field}={value!r}"):
@@ -132,11 +132,11 @@ def test_mixed_precision_cache_stores_each_layer_at_its_precision(llama, tokens)
             "_target_": "kvcompress.selectors.QuantPolicy",
             "bits": 8,
             "group_size": 4,
-            "residual_length": 4,
+            "recent": 4,
         },
         rules=[
             {"layers": "0", "policy": {"_target_": "kvcompress.selectors.FullPolicy"}},
-            {"layers": "-1:", "policy": QuantPolicy(bits=2, group_size=4, residual_length=4)},
+            {"layers": "-1:", "policy": QuantPolicy(bits=2, group_size=4, recent=4)},
         ],
     )
     cache = build_cache(sched, llama)
@@ -147,7 +147,7 @@ def test_mixed_precision_cache_stores_each_layer_at_its_precision(llama, tokens)
     assert cache.memory_bytes() == sum(s["bytes"] for s in stats)
 
 
-QUANT_CHANNEL = {"name": "quant", "bits": 4, "group_size": 4, "residual_length": 4, "key_axis": "channel"}
+QUANT_CHANNEL = {"name": "quant", "bits": 4, "group_size": 4, "recent": 4, "key_axis": "channel"}
 
 
 def _count_encoded(cache) -> list[int]:

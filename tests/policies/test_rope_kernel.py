@@ -143,7 +143,7 @@ def test_decode_uses_the_kernel_with_the_logits_of_the_model_module(basis, token
     for path in ("kernel", "module"):
         if path == "module":
             monkeypatch.setattr(kernels, "load", lambda kernel="": None)
-        cache = build_cache(policy(tmp_path, basis=basis, residual_length=2), model)
+        cache = build_cache(policy(tmp_path, basis=basis, recent=2), model)
         out[path] = stream_logits(model, tokens, cache, chunk=1)
         steps[path] = [s["rope_kernel_steps"] for s in cache.stats()]
         for layer in cache.layers:  # the key decoder is stored as the kernel reads it: no copy per step

@@ -8,7 +8,7 @@ from pathlib import Path
 from kvcompress.core.registry import CONF_DIR
 from kvcompress.harness.report import _natural_key, flatten, markdown_table
 from kvcompress.metrics.stats import interval_fields, wilson
-from kvcompress.persist.aliases import new_name
+from kvcompress.persist.aliases import FIELDS, new_name
 
 RECORD_COLUMNS = "policy,storage,settings,perplexity,cache_ratio,accuracy"
 
@@ -40,19 +40,20 @@ def settings(record: dict) -> str:
     out = []
     for fields, defaults in ((policy, _defaults("policy", record.get("policy_name"))),
                              (storage, _defaults("storage", record.get("storage")))):  # fmt: skip
-        fields = _current_targets(fields)
+        fields = _current_names(fields)
         out += [f"{k}={v}" for k, v in fields.items() if k != "_target_" and defaults.get(k, v) != v]
     return " ".join(out)
 
 
-def _current_targets(node):
-    """A recorded config with every ``_target_`` under today's module names (a record written before the
-    package move names ``kvcompress.policies...``: ``kvcompress.persist.aliases``)."""
+def _current_names(node):
+    """A recorded config under today's names: every ``_target_`` (a record written before the package move
+    names ``kvcompress.policies...``) and every field renamed since (``residual_length`` is ``recent``), as
+    ``kvcompress.persist.aliases`` reads them."""
     if isinstance(node, dict):
-        return {k: new_name(v) if k == "_target_" and isinstance(v, str) else _current_targets(v)
+        return {FIELDS.get(k, k): new_name(v) if k == "_target_" and isinstance(v, str) else _current_names(v)
                 for k, v in node.items()}  # fmt: skip
     if isinstance(node, list):
-        return [_current_targets(v) for v in node]
+        return [_current_names(v) for v in node]
     return node
 
 

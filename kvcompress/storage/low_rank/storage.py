@@ -30,7 +30,7 @@ OBJECTIVES = ("logits", "keys")
 
 @dataclass
 class LowRankStorage(LowRankChecks, Storage):
-    """Cache rank-``rank`` coefficients of keys (and values); the newest ``residual_length`` tokens exact.
+    """Cache rank-``rank`` coefficients of keys (and values); the newest ``recent`` tokens exact.
 
     Args:
         rank: components per KV head for keys (a block of g heads keeps ``rank * g``); null with ``energy``.
@@ -49,7 +49,7 @@ class LowRankStorage(LowRankChecks, Storage):
         group_size: KV heads per basis with ``basis=group`` (must divide the model's KV heads).
         values: null (values projected here, rank ``value_rank``) or another storage for the values alone,
             e.g. ``{name: quant, bits: 4}`` or ``dense``.
-        residual_length: newest tokens kept exactly, in the model dtype.
+        recent: newest tokens kept exactly, in the model dtype.
         int8_coefficients: store coefficients as int8 codes with one scale (model dtype) per token and block.
         calibration_text: ``pg_essays`` (its last ``calibration_tokens`` tokens), a ``.txt``/``.jsonl``
             path, a `datasets` spec, or ``random``.
@@ -72,30 +72,30 @@ class LowRankStorage(LowRankChecks, Storage):
     TEST_PARAMS = [
         {
             "rank": 4,
-            "residual_length": 4,
+            "recent": 4,
             "basis": "head",
             "calibration_text": "random",
             "calibration_tokens": 64,
         },
         {
-            **{"rank": 3, "basis": "joint", "residual_length": 5, "calibration_text": "random"},
+            **{"rank": 3, "basis": "joint", "recent": 5, "calibration_text": "random"},
             "calibration_tokens": 64,
             "values": {
                 "name": "quant",
                 "bits": 4,
                 "group_size": 4,
-                "residual_length": 4,
+                "recent": 4,
                 "value_axis": "token",
             },
         },
     ]
     FUZZ = {
         "rank": (1, 16),
-        "residual_length": (0, 12),
+        "recent": (0, 12),
         "keys": ["pre_rope", "post_rope"],
         "basis": list(lrb.BLOCKS),
         "group_size": [1, 2],
-        "values": [None, None, "dense", {"name": "quant", "bits": 4, "group_size": 4, "residual_length": 3}],
+        "values": [None, None, "dense", {"name": "quant", "bits": 4, "group_size": 4, "recent": 3}],
         "calibration_text": "random",
         "calibration_tokens": 64,
     }
@@ -109,7 +109,7 @@ class LowRankStorage(LowRankChecks, Storage):
     basis: str = Choice("joint", lrb.BLOCKS)
     group_size: int = Int(2, low=1)
     values: object = None
-    residual_length: int = Int(0, low=0)
+    recent: int = Int(0, low=0)
     int8_coefficients: bool = Bool(False)
     calibration_text: str = "pg_essays"
     calibration_tokens: int = Int(2048, low=1)
@@ -139,7 +139,7 @@ class LowRankStorage(LowRankChecks, Storage):
 
     def covering(self, n_tokens: int) -> LowRankStorage:
         values = self.values_storage and self.values_storage.covering(n_tokens).describe()
-        out = dataclasses.replace(self, residual_length=max(self.residual_length, n_tokens), values=values)
+        out = dataclasses.replace(self, recent=max(self.recent, n_tokens), values=values)
         out._calibration, out._ropes = self._calibration, self._ropes
         return out
 
@@ -194,7 +194,7 @@ class LowRankStorage(LowRankChecks, Storage):
         if self.energy is not None or self.allocation != "uniform":
             return None  # ranks come from calibration data, not from the parameters
         rank = self.rank if kind == "keys" else (self.value_rank or self.rank)
-        exact = min(tokens, self.residual_length)
+        exact = min(tokens, self.recent)
         coded = (
             s.batch * s.kv_heads * (tokens - exact) * rank * (1 if self.int8_coefficients else s.dtype_bytes)
         )
@@ -223,4 +223,4 @@ class LowRankStorage(LowRankChecks, Storage):
 
     @property
     def count_exact(self) -> bool:
-        return self.residual_length == 0 and (self.values_storage is None or self.values_storage.count_exact)
+        return self.recent == 0 and (self.values_storage is None or self.values_storage.count_exact)

@@ -144,7 +144,7 @@ class LowRankStore(ResidualStore):
         return fused_low_rank.residual_logits(q, keys, blocks)
 
     def flush_count(self, residual: int) -> int:
-        return residual - self.config.residual_length
+        return residual - self.config.recent
 
     def fixed_tensors(self):
         return list({id(t): t for t in [*self.encoder.values(), *self.decoder.values()]}.values())

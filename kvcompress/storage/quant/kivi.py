@@ -60,7 +60,7 @@ class QuantStore(ResidualStore):
 
     def flush_count(self, residual: int) -> int:
         g = self.config.group_size
-        return (residual - self.config.residual_length) // g * g
+        return (residual - self.config.recent) // g * g
 
     @property
     def keeps_exactly(self) -> bool:
@@ -129,7 +129,7 @@ class QuantStore(ResidualStore):
 class QuantStorage(Storage):
     """Packed ``bits``-bit codes plus a 16-bit scale and zero point per group of ``group_size`` elements.
 
-    The newest ``residual_length`` (R) tokens stay in the model dtype; older ones are quantized G at a time
+    The newest ``recent`` (R) tokens stay in the model dtype; older ones are quantized G at a time
     once a whole group has left that window (groups aligned to the first token), so between R and R + G - 1
     tokens are full precision. ``"channel"`` groups are G tokens of one channel (KIVI's keys), ``"token"``
     groups G channels of one token (G must divide head_dim). ``scale_dtype`` ``"auto"`` is the model dtype
@@ -145,20 +145,20 @@ class QuantStorage(Storage):
     store_class = QuantStore
     FORMULA = True  # bytes_for below is this class's own
     TEST_PARAMS = [
-        {"bits": 4, "group_size": 4, "residual_length": 8},
-        {"bits": 2, "group_size": 4, "residual_length": 4, "key_axis": "token"},
+        {"bits": 4, "group_size": 4, "recent": 8},
+        {"bits": 2, "group_size": 4, "recent": 4, "key_axis": "token"},
     ]
     FUZZ = {
         "bits": [2, 4, 8],
         "group_size": [2, 4, 8, 16],
-        "residual_length": (0, 20),
+        "recent": (0, 20),
         "key_axis": list(AXES),
         "value_axis": list(AXES),
     }
 
     bits: int = Choice(4, BITS)
     group_size: int = Int(32, low=1)
-    residual_length: int = Int(128, low=0)
+    recent: int = Int(128, low=0)
     key_axis: str = Choice("channel", AXES)
     value_axis: str = Choice("token", AXES)
     scale_dtype: str = Choice("auto", tuple(SCALE_DTYPES))
@@ -199,12 +199,12 @@ class QuantStorage(Storage):
         return None
 
     def covering(self, n_tokens: int) -> QuantStorage:
-        return dataclasses.replace(self, residual_length=max(self.residual_length, n_tokens))
+        return dataclasses.replace(self, recent=max(self.recent, n_tokens))
 
     def bytes_for(self, s: Shape, tokens: int) -> int:
         """``Q = max(0, floor((T - R) / G) * G)`` quantized: per tensor ``B * H_kv * Q * D`` codes at
         ``bits / 8`` bytes plus ``1 / G`` as many (scale, zero) pairs; the rest ``kv(T - Q)``."""
-        quantized = max(0, (tokens - self.residual_length) // self.group_size * self.group_size)
+        quantized = max(0, (tokens - self.recent) // self.group_size * self.group_size)
         elements = s.batch * s.kv_heads * quantized * s.head_dim
         groups = elements // self.group_size
         meta = 2 * groups * _scale_bytes(self.scale_dtype, s.dtype_bytes)
