@@ -302,7 +302,7 @@ DIGESTS = {
         "cf11d91f938c1eaf",
         "b1c537e82bda5d52",
     ),
-    "kvcompress.policies.full": ("kvcompress.selectors.full", "30e0d2fe057b3597", "f34a73296078c0fd"),
+    "kvcompress.policies.full": ("kvcompress.selectors.full", "30e0d2fe057b3597", "01909295e40454c8"),
     "kvcompress.policies.h2o": ("kvcompress.selectors.eviction.h2o", "b0264d2567c844a6", "af0940104857da4f"),
     "kvcompress.policies.kvzip": (
         "kvcompress.selectors.eviction.kvzip",
@@ -325,7 +325,7 @@ DIGESTS = {
         "776b7358324489b9",
         "fa0fbd241096b20d",
     ),
-    "kvcompress.policies.low_rank": ("kvcompress.selectors.low_rank", "c9ced910107b8194", "50f46b1f08feeceb"),
+    "kvcompress.policies.low_rank": ("kvcompress.selectors.low_rank", "c9ced910107b8194", "182e0fabe4885496"),
     "kvcompress.policies.model_window": (
         "kvcompress.core.model_window",
         "a5e6040d1afdc6ae",
@@ -336,7 +336,7 @@ DIGESTS = {
         "f604e46d8d06dbca",
         "b441f4d9211cd245",
     ),
-    "kvcompress.policies.quant": ("kvcompress.selectors.quant", "33f9959a377cff33", "5095d6dc7dc3f1c0"),
+    "kvcompress.policies.quant": ("kvcompress.selectors.quant", "33f9959a377cff33", "fcb8c5914bdae048"),
     "kvcompress.policies.rope": (
         "kvcompress.selectors.eviction.rope",
         "f399bbc4b0be1170",

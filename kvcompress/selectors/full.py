@@ -19,10 +19,28 @@ class FullPolicy(Policy):
         return s.total
 
 
+def storage_preset(storage_class: type):
+    """Class decorator making a ``StoragePreset`` dataclass over ``storage_class``: the storage's declared
+    fields (names, order, defaults, validation rules) become the preset's own, never re-declared."""
+
+    def make(cls: type) -> type:
+        own = cls.__dict__.get("__annotations__", {})
+        cls.__annotations__ = dict(own)
+        for f in dataclasses.fields(storage_class):
+            cls.__annotations__[f.name] = f.type
+            setattr(cls, f.name, dataclasses.field(default=f.default, default_factory=f.default_factory,
+                                                   metadata=f.metadata))  # fmt: skip
+        cls.storage_class = storage_class
+        return dataclass(cls)
+
+    return make
+
+
 @dataclass
 class StoragePreset(FullPolicy):
     """``full`` over a storage whose fields are this policy's own (``policy=quant`` means ``policy=full
-    storage=quant``). ``storage`` cannot be set as well: the fields already say it."""
+    storage=quant``), made with ``storage_preset``. ``storage`` cannot be set as well: the fields already
+    say it."""
 
     storage_class: ClassVar[type] = None
 

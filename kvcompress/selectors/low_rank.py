@@ -5,21 +5,15 @@ After Palu (Chang et al., arXiv 2407.21118): a low-rank latent of pre-RoPE keys 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from kvcompress.core.fields import Bool, Choice, Float, Int
-from kvcompress.kernels.fused_low_rank import MODES
-from kvcompress.selectors.full import StoragePreset
-from kvcompress.storage.low_rank.bases import BLOCKS
-from kvcompress.storage.low_rank.storage import OBJECTIVES, SOURCES, LowRankStorage
+from kvcompress.selectors.full import StoragePreset, storage_preset
+from kvcompress.storage.low_rank.storage import LowRankStorage
 
 
-@dataclass
+@storage_preset(LowRankStorage)
 class LowRankPolicy(StoragePreset):
-    """Every token, older ones as rank-``rank`` coefficients (fields as ``LowRankStorage``)."""
+    """Every token, older ones as rank-``rank`` coefficients (its fields are ``LowRankStorage``'s)."""
 
-    storage_class = LowRankStorage
-    FORMULA = True  # the memory formulas below are this class's own
+    FORMULA = True  # the inherited memory formulas (every token, its storage's bytes) describe it exactly
     TEST_PARAMS = {"rank": 4, "recent": 4, "calibration_text": "random", "calibration_tokens": 64}
     FUZZ = LowRankStorage.FUZZ
     MEMORY_VARIANTS = [
@@ -59,23 +53,6 @@ class LowRankPolicy(StoragePreset):
             "calibration_tokens": 64,
         },
     ]
-
-    rank: int | None = Int(None, low=1, null=True)  # null with energy null: 32
-    value_rank: int | None = Int(None, low=1, null=True)
-    energy: float | None = Float(None, 0, 1, low_open=True, null=True)
-    allocation: str = Choice("uniform", ("uniform", "error"))
-    keys: str = Choice("pre_rope", tuple(SOURCES))
-    key_objective: str = Choice("logits", OBJECTIVES)
-    basis: str = Choice("joint", BLOCKS)
-    group_size: int = Int(2, low=1)
-    values: object = None
-    recent: int = Int(0, low=0)
-    int8_coefficients: bool = Bool(False)
-    calibration_text: str = "pg_essays"
-    calibration_tokens: int = Int(2048, low=1)
-    calibration_dir: str | None = None
-    tokenizer: object = None
-    fused_attention: str = Choice("auto", MODES)
 
     @property
     def calibration(self) -> dict:
