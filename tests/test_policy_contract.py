@@ -94,3 +94,36 @@ def test_left_padded_batch_matches_unpadded_rows(name, tiny_model):
     batched = _generate(tiny_model, ids, mask, name)
     assert torch.equal(batched[0], _generate(tiny_model, long, None, name)[0])
     assert torch.equal(batched[1], _generate(tiny_model, short, None, name)[0])
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+@torch.inference_mode()
+def test_reorder_cache_moves_every_rows_state_with_its_row(name, tiny_model):
+    """Beam search's reorder: after ``reorder_cache([1, 1])`` both rows continue as row 1 did, exactly as a
+    cache that held row 1 twice from the start (tokens, positions, scores, pages, codes: every per-row
+    state is moved by one reorder, ``core.storage.take_rows``)."""
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randint(2, 95, (2, 48), generator=g)
+    twice = rows[[1, 1]]
+    moved, reference = build_cache(small(name), tiny_model), build_cache(small(name), tiny_model)
+    stream_logits(tiny_model, rows, moved, chunk=12)
+    stream_logits(tiny_model, twice, reference, chunk=12)
+    moved.reorder_cache(torch.tensor([1, 1]))
+    for a, b in zip(
+        moved.layers, reference.layers, strict=True
+    ):  # every declared per-row state, and the store
+        for field in ("valid", "pos", "left_pad", *a.per_token, *a.per_row):
+            x, y = getattr(a, field), getattr(b, field)
+            assert (x is None) == (y is None), field
+            if x is not None:
+                torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6, msg=f"{name}: {field}")
+        for x, y in zip(a.store.tensors(), b.store.tensors(), strict=True):
+            assert (x is None) == (y is None)
+            if x is not None:
+                torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
+    for t in range(8):  # decode steps: later evictions read the moved scores and pages too
+        step = torch.full((2, 1), 7 + 3 * t)
+        got = tiny_model(step, cache=moved, use_cache=True).logits
+        want = tiny_model(step, cache=reference, use_cache=True).logits
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert moved.get_seq_length() == reference.get_seq_length() == 56

@@ -16,6 +16,7 @@ from kvcompress.core.context_mode import ContextPassMode
 from kvcompress.core.fused import window_scores
 from kvcompress.core.layer_attention import LayerAttention
 from kvcompress.core.masks import cat_valid
+from kvcompress.core.storage import reorder_all
 
 
 class PolicyLayer(LayerAttention, ContextPassMode, CacheLayerMixin):
@@ -168,10 +169,7 @@ class PolicyLayer(LayerAttention, ContextPassMode, CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.store.reorder(beam_idx)
-        for name in ("valid", "pos", "left_pad", *self.per_token, *self.per_row):
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, t.index_select(0, beam_idx.to(t.device)))
+        reorder_all(self, ("valid", "pos", "left_pad", *self.per_token, *self.per_row), beam_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot roll back tokens (assisted decoding)")

@@ -185,11 +185,18 @@ class Store:
         return next(t for t in self.tensors() if t is not None).device
 
 
-def reorder_all(obj, names, beam_idx: torch.Tensor) -> None:
-    """``index_select`` rows ``beam_idx`` of every tensor attribute ``names`` of ``obj`` (beam search)."""
+def take_rows(x, rows: torch.Tensor):
+    """Rows ``rows`` (B',) of ``x`` along dim 0: a tensor, None, or a tuple or named tuple of them. The one
+    reorder of every per-row state (beam search: which sequence each row continues)."""
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        return x.index_select(0, rows.to(x.device))
+    items = [take_rows(t, rows) for t in x]
+    return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+
+
+def reorder_all(obj, names, rows: torch.Tensor) -> None:
+    """``take_rows`` of every attribute ``names`` of ``obj`` (tensors, None, tuples of tensors)."""
     for name in names:
-        t = getattr(obj, name)
-        if isinstance(t, torch.Tensor):
-            setattr(obj, name, t.index_select(0, beam_idx.to(t.device)))
-        elif isinstance(t, tuple):
-            setattr(obj, name, type(t)(*(x.index_select(0, beam_idx.to(x.device)) for x in t)))
+        setattr(obj, name, take_rows(getattr(obj, name), rows))

@@ -319,7 +319,7 @@ DIGESTS = {
         "63ca21a5e896bcdb",
         "c1649f720ec4ac61",
     ),
-    "kvcompress.policies.layer": ("kvcompress.core.layer", "9d1fa6b6bc26fc8c", "e3a943c3901ce068"),
+    "kvcompress.policies.layer": ("kvcompress.core.layer", "9d1fa6b6bc26fc8c", "794f286e82f8d10f"),
     "kvcompress.policies.layer_attention": (
         "kvcompress.core.layer_attention",
         "776b7358324489b9",
@@ -381,7 +381,7 @@ DIGESTS = {
     "kvcompress.spec": ("kvcompress.core.spec", "77e7899d4c31d413", "77e7899d4c31d413"),
     "kvcompress.state": ("kvcompress.persist.state", "d7b7e851a2519e99", "0db6a90bdcbd13ce"),
     "kvcompress.storage": ("kvcompress.storage", "c74eb30508c1aaa2", "9f8aae1f49a4fdae"),
-    "kvcompress.storage.base": ("kvcompress.core.storage", "d3561fa811def090", "d9216c938488b0fb"),
+    "kvcompress.storage.base": ("kvcompress.core.storage", "d3561fa811def090", "e3448e03403c8831"),
     "kvcompress.storage.buffers": ("kvcompress.core.buffers", "05b8b6d6e3d14a3b", "05b8b6d6e3d14a3b"),
     "kvcompress.storage.cold": ("kvcompress.storage.offload.cold", "b54b9a1bd68980a9", "a74c726d329621b4"),
     "kvcompress.storage.dense": ("kvcompress.storage.dense", "bf9777a6c0e37701", "80966fef19c084de"),
@@ -408,7 +408,7 @@ DIGESTS = {
     "kvcompress.storage.offload": (
         "kvcompress.storage.offload.storage",
         "7fe555922e16d2c7",
-        "3e470d63f769b93e",
+        "3a0bb8422e4595e6",
     ),
     "kvcompress.storage.page_lru": (
         "kvcompress.storage.offload.page_lru",
@@ -419,9 +419,9 @@ DIGESTS = {
     "kvcompress.storage.quantizer": (
         "kvcompress.storage.quant.quantizer",
         "76cced179cab3d68",
-        "76cced179cab3d68",
+        "2e27cc3620b881e0",
     ),
-    "kvcompress.storage.residual": ("kvcompress.storage.residual", "d8ac1aac50f517cb", "ec9ef8b3d68d959c"),
+    "kvcompress.storage.residual": ("kvcompress.storage.residual", "d8ac1aac50f517cb", "c0fcffac77f831ba"),
     "kvcompress.storage.rope": ("kvcompress.storage.rope", "24ef1582090c74ac", "24ef1582090c74ac"),
     "kvcompress.storage.rope_table": (
         "kvcompress.storage.rope_table",

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from kvcompress.core.buffers import Slots, gather_tokens
-from kvcompress.core.storage import KINDS, Store
+from kvcompress.core.storage import KINDS, Store, take_rows
 
 
 def shared_heads(idx: torch.Tensor, heads: int) -> torch.Tensor:
@@ -198,14 +198,9 @@ class ResidualStore(Store):
 
     def reorder(self, beam_idx) -> None:
         for kind in self.kinds:
-            self.residual[kind] = self.residual[kind].index_select(0, beam_idx.to(self.residual[kind].device))
-            parts = self.encoded[kind]
-            if parts is not None:
-                self.encoded[kind] = _rebuild(
-                    parts, [p.index_select(0, beam_idx.to(p.device)) for p in parts]
-                )
-        if self.positions is not None:
-            self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
+            self.residual[kind] = take_rows(self.residual[kind], beam_idx)
+            self.encoded[kind] = take_rows(self.encoded[kind], beam_idx)
+        self.positions = take_rows(self.positions, beam_idx)
 
     def reset(self) -> None:
         self.slots.clear()

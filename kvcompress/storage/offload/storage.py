@@ -25,7 +25,7 @@ import torch
 
 from kvcompress.core import buffers
 from kvcompress.core.fields import Choice, Int
-from kvcompress.core.storage import KINDS, Storage, Store
+from kvcompress.core.storage import KINDS, Storage, Store, reorder_all
 from kvcompress.storage.offload import page_lru
 from kvcompress.storage.offload.cold import ColdPages
 
@@ -132,10 +132,7 @@ class OffloadStore(Store):
         return kv[:, :, :, 0].reshape(b, h, -1, d), kv[:, :, :, 1].reshape(b, h, -1, d)
 
     def reorder(self, beam_idx) -> None:
-        for name in ("keys", "values", "page_min", "page_max"):
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, t.index_select(0, beam_idx.to(t.device)))
+        reorder_all(self, ("keys", "values", "page_min", "page_max"), beam_idx)
         self.lru = page_lru.reorder(self.lru, beam_idx)
         if self.cold is not None and self.cold.used:
             data = self.cold.data[: self.cold.used]

@@ -132,8 +132,3 @@ def concat(a: QuantizedTensor | None, b: QuantizedTensor) -> QuantizedTensor:
     if a is None:
         return b
     return QuantizedTensor(*(torch.cat([x, y], dim=2) for x, y in zip(a, b, strict=True)))
-
-
-def select(q: QuantizedTensor, batch_idx: torch.Tensor) -> QuantizedTensor:
-    """Rows ``batch_idx`` of every part (beam search)."""
-    return QuantizedTensor(*(t.index_select(0, batch_idx.to(t.device)) for t in q))
