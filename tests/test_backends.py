@@ -9,6 +9,7 @@ from conftest import make_tiny
 
 from kvcompress import build_cache
 from kvcompress.core import executor
+from kvcompress.core.attention import set_backend
 from kvcompress.core.executor import Unserved, execute
 from kvcompress.core.plan import Call, Dense, Plan
 from kvcompress.kernels import backends
@@ -93,3 +94,19 @@ def test_the_installed_backend_decides_between_sdpa_and_eager():
     cache = build_cache("full", model)
     _decode(model, cache, ids)
     assert attention_backends(cache) == {"eager": ids.shape[1] * len(cache.layers)}
+
+
+@pytest.mark.parametrize("implementation", ["flex_attention"])
+def test_a_model_kernel_no_backend_runs_is_refused_not_swapped(implementation):
+    """A model loaded with another attention implementation is refused by name, the model left as it was."""
+    model = make_tiny("llama", attn=implementation)
+    with pytest.raises(
+        ValueError, match=rf"attn_implementation='{implementation}', which no kvcompress attention"
+    ):
+        build_cache("full", model)
+    assert model.config._attn_implementation == implementation
+    set_backend(model, "sdpa")  # chosen by name: then it runs, recorded as sdpa
+    cache = build_cache("full", model)
+    with torch.inference_mode():
+        model(torch.tensor([[5, 6, 7]]), cache=cache, use_cache=True)
+    assert attention_backends(cache) == {"sdpa": len(cache.layers)}  # one prefill step per layer

@@ -12,7 +12,7 @@ from __future__ import annotations
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from kvcompress.core import forward_state
+from kvcompress.core import executor, forward_state
 from kvcompress.core.executor import execute
 from kvcompress.core.plan import Call, Dense, Plan
 from kvcompress.core.profiling import TIMER
@@ -65,17 +65,30 @@ def register() -> None:
 
 
 def install(model) -> None:
-    """Route ``model``'s attention through ``"kvcompress"``, keeping its sdpa/eager kernel as the backend, and
-    hook its forward (and its base model's) so each forward hands its cache a fresh ``ForwardState``."""
+    """Route ``model``'s attention through ``"kvcompress"``, keeping its sdpa/eager kernel as the backend (any
+    other implementation is refused by name, never silently replaced), and hook its forward (and its base
+    model's) so each forward hands its cache a fresh ``ForwardState``."""
     register()
     current = model.config._attn_implementation
     if current != NAME:
-        model.config.kvcompress_backend = current if current in BACKENDS else "sdpa"
+        model.config.kvcompress_backend = _served(current)
         model.set_attn_implementation(NAME)
     if not getattr(model, HOOKS, None):
         modules = {id(m): m for m in (model, getattr(model, "base_model", model))}.values()
         handles = [m.register_forward_pre_hook(forward_state.pre_hook, with_kwargs=True) for m in modules]
         setattr(model, HOOKS, handles)
+
+
+def _served(implementation) -> str:
+    """The model's own attention implementation, when a registered backend of that name runs it (``sdpa``,
+    ``eager``; a GPU backend may add ``flash_attention_2``); refused by name otherwise, never swapped."""
+    if implementation in BACKENDS and implementation in executor.names():
+        return implementation
+    raise ValueError(
+        f"the model was loaded with attn_implementation={implementation!r}, which no kvcompress attention "
+        f"backend runs (model kernels served: {[b for b in BACKENDS if b in executor.names()]}); load it "
+        "with attn_implementation='sdpa' or 'eager'"
+    )
 
 
 def uninstall(model) -> None:
@@ -89,8 +102,11 @@ def uninstall(model) -> None:
 
 
 def set_backend(model, backend: str) -> None:
-    """Choose the kernel behind ``"kvcompress"``: ``"sdpa"`` (default) or ``"eager"``."""
+    """Choose the kernel behind ``"kvcompress"``: ``"sdpa"`` (default) or ``"eager"``, also for a model loaded
+    with another implementation (then only by this explicit choice)."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend={backend!r} is not supported; allowed: {list(BACKENDS)}")
+    if model.config._attn_implementation != NAME:  # asked for by name: it replaces the model's own
+        model.set_attn_implementation(backend)
     install(model)
     model.config.kvcompress_backend = backend

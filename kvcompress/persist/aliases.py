@@ -146,7 +146,7 @@ DIGESTS = {
     "kvcompress": ("kvcompress", "26518e2e2c44eab3", "80546b3a3127e258"),
     "kvcompress.app": ("kvcompress.harness.app", "80d4502f1d40324a", "5e4a620d4b4561a8"),
     "kvcompress.assets": ("kvcompress.resources.assets", "593d8292d8195589", "593d8292d8195589"),
-    "kvcompress.attention": ("kvcompress.core.attention", "528450335a32c15a", "d0033d19df91122e"),
+    "kvcompress.attention": ("kvcompress.core.attention", "528450335a32c15a", "5c9b4d621649eb08"),
     "kvcompress.backends": ("kvcompress.kernels.backends", "f3b8e6b3516ccc48", "ad9b923b4c5b8c61"),
     "kvcompress.cache": ("kvcompress.core.cache", "2ace43bd280fdc52", "2d5fcdfe146e37ea"),
     "kvcompress.calibration": (
