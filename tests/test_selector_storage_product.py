@@ -153,3 +153,41 @@ def test_cell_left_padded_batch_matches_rows_alone(sel, var):
     for row, alone in ((0, long), (1, short)):  # a row that ended (eos) alone is padded in the batch
         expect = _generate(model, alone, None, policy)[0]
         assert torch.equal(batched[row, : len(expect)], expect) and not batched[row, len(expect) :].any()
+
+
+@functools.cache
+def bf16_model():
+    return make_tiny("llama", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("sel,var", CELLS, ids=IDS)
+@torch.inference_mode()
+def test_cell_runs_in_bfloat16(sel, var, tokens):
+    """bf16 end to end: the cell runs a bfloat16 model (prefill in chunks, then decode steps), hands
+    attention bfloat16 keys and values, gives finite logits, and holds no more than its allowance over
+    ``full``'s bytes in bfloat16; or it is refused as declared."""
+    model = bf16_model()
+    cache = build_or_refused(sel, var, model)
+    if cache is None:
+        return
+    dtypes = set()
+    for layer in cache.layers:
+        orig = layer.update
+
+        def spy(k, v, *a, _orig=orig, **kw):
+            out = _orig(k, v, *a, **kw)
+            dtypes.update({out[0].dtype, out[1].dtype})
+            return out
+
+        layer.update = spy
+    logits = stream_logits(model, tokens, cache, chunk=7)
+    for t in range(4):
+        logits = model(torch.tensor([[3 + t]]), cache=cache, use_cache=True).logits
+        assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+    assert dtypes == {torch.bfloat16}
+    full = build_cache("full", model)
+    stream_logits(model, tokens, full, chunk=7)
+    for t in range(4):
+        model(torch.tensor([[3 + t]]), cache=full, use_cache=True)
+    fixed = storage_bytes(t for layer in cache.layers for t in layer.store.fixed_tensors())
+    assert cache.memory_bytes() - fixed <= full.memory_bytes() * max_memory_ratio(cell_policy(sel, var))
