@@ -1,0 +1,94 @@
+"""Operations that would block the host on a GPU, counted on any device with a ``TorchDispatchMode``.
+
+Every aten op a step runs is seen, so the count on a CPU is what a GPU would wait for: values read back
+(``item``, ``int``, ``bool``, ``float``: ``_local_scalar_dense``; ``equal``), shapes that depend on data
+(``nonzero``, ``masked_select``, ``unique``, ``repeat_interleave`` by a tensor, indexing by a boolean mask)
+and tensors built from host data (``torch.tensor(list)``: ``lift_fresh``). ``tolist`` reads memory without an
+aten op, so it is counted by wrapping the method. Each count names the first kvcompress source line on the
+stack, so a table says where to look.
+"""
+
+from __future__ import annotations
+
+import collections
+import traceback
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+READ_BACK = {"aten._local_scalar_dense.default", "aten.equal.default", "aten.is_nonzero.default"}
+DATA_SHAPED = {
+    "aten.nonzero.default",
+    "aten.masked_select.default",
+    "aten._unique2.default",
+    "aten.unique_dim.default",
+    "aten.unique_consecutive.default",
+    "aten.repeat_interleave.Tensor",
+}
+FROM_HOST = {"aten.lift_fresh.default"}
+PACKAGE = str(Path(__file__).resolve().parents[1])
+HERE = str(Path(__file__).resolve())
+
+
+def kind_of(func, args) -> str | None:
+    """Which host-blocking kind an aten call is (``read_back``, ``data_shaped``, ``from_host``), or None."""
+    name = str(func)
+    if name in READ_BACK:
+        return "read_back"
+    if name in DATA_SHAPED:
+        return "data_shaped"
+    if name in ("aten.index.Tensor", "aten.index_put.default", "aten.index_put_.default"):
+        indices = args[1] if len(args) > 1 else ()
+        if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ()):
+            return "data_shaped"  # a boolean mask index: its result's size is a count of True values
+    if name in FROM_HOST:
+        return "from_host"
+    return None
+
+
+def _where() -> str:
+    """The first kvcompress source line (outside this module) on the stack, as ``path:line``."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if frame.filename.startswith(PACKAGE) and frame.filename != HERE:
+            return f"{Path(frame.filename).relative_to(Path(PACKAGE).parent)}:{frame.lineno}"
+    return "outside kvcompress"
+
+
+class HostSyncs(TorchDispatchMode):
+    """``with HostSyncs() as s: ...``: ``s.kinds`` (per kind), ``s.lines`` (per source line), ``s.total``."""
+
+    def __init__(self):
+        super().__init__()
+        self.kinds: collections.Counter = collections.Counter()
+        self.lines: collections.Counter = collections.Counter()
+        self._tolist = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.kinds.values())
+
+    def _count(self, kind: str) -> None:
+        self.kinds[kind] += 1
+        self.lines[_where()] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kind = kind_of(func, args)
+        if kind is not None:
+            self._count(kind)
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+        counter, tolist = self, self._tolist
+
+        def counted(tensor, *args, **kwargs):
+            counter._count("read_back")
+            return tolist(tensor, *args, **kwargs)
+
+        torch.Tensor.tolist = counted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)

@@ -1,0 +1,37 @@
+"""The dispatch-mode counter of host-blocking operations (``kvcompress.metrics.host_syncs``): what it counts,
+what it does not, and that it leaves ``Tensor.tolist`` as it found it."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcompress.metrics.host_syncs import HostSyncs
+
+
+def test_it_counts_reads_data_shaped_results_and_host_data_by_kind():
+    x = torch.arange(6.0)
+    original = torch.Tensor.tolist
+    with HostSyncs() as syncs:
+        x.sum().item()  # read back
+        bool(x[0] > 1)  # read back
+        x.tolist()  # read back, without an aten op
+        x.nonzero()  # data-shaped
+        x[x > 2]  # boolean-mask index: data-shaped
+        torch.repeat_interleave(x, torch.ones(6, dtype=torch.long))  # by a tensor: data-shaped
+        torch.tensor([1, 2])  # from host data
+        x + 1, x.index_select(0, torch.arange(2)), x.repeat_interleave(2)  # none of these
+    assert dict(syncs.kinds) == {"read_back": 3, "data_shaped": 3, "from_host": 1}
+    assert syncs.total == 7 and sum(syncs.lines.values()) == 7
+    assert torch.Tensor.tolist is original
+
+
+def test_it_names_the_kvcompress_line_that_asked():
+    """A forward's padding check reads one value back (``bool(new.all())``): counted at that line."""
+    from kvcompress.core.forward_state import ForwardState
+
+    state = ForwardState(torch.tensor([[0, 1, 1], [1, 1, 1]]))
+    with HostSyncs() as syncs:
+        valid = state.new_token_validity(2, 3, "cpu")
+    assert valid is not None and dict(syncs.kinds) == {"read_back": 1}
+    ((line, n),) = syncs.lines.items()
+    assert line.startswith("kvcompress/core/forward_state.py:") and n == 1
