@@ -279,7 +279,7 @@ DIGESTS = {
     "kvcompress.policies.block_sparse_layer": (
         "kvcompress.selectors.pages.block_sparse_layer",
         "a4559f042df1b597",
-        "89f4da1acc612ac9",
+        "7b501a6350863feb",
     ),
     "kvcompress.policies.chunks": (
         "kvcompress.selectors.eviction.chunks",

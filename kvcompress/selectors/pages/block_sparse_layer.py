@@ -5,6 +5,7 @@ Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inferen
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -58,7 +59,7 @@ class BlockSparseLayer(PolicyLayer):
     # -- page metadata ------------------------------------------------------------------------
     def _page_of(self, t: torch.Tensor) -> torch.Tensor:
         """Page index (B, n) of stored positions ``t`` (n,)."""
-        shift = torch.tensor(self.shift, device=self.device)[:, None]
+        shift = _shift_tensor(tuple(self.shift), str(self.device))[:, None]
         return torch.div(t[None] + shift, self.policy.block_size, rounding_mode="floor")
 
     def compress(self, keys, values) -> None:
@@ -120,7 +121,7 @@ class BlockSparseLayer(PolicyLayer):
             self.read_pos = self.read_pos.expand(-1, idx.shape[1], -1).gather(-1, idx)
         if self.window is not None:  # never beyond the model's own window
             kpos = idx if self.pos is None else self.pos.expand(-1, idx.shape[1], -1).gather(-1, idx)
-            ok = ok & self._window_mask(kpos, torch.tensor(self.seen - 1, device=self.device))
+            ok = ok & self._window_mask(kpos, torch.full((), self.seen - 1, device=self.device))
         self._count(pages, ok, key)
         return gather_tokens(key, idx), gather_tokens(value, idx), ok[:, :, None, :]
 
@@ -134,7 +135,7 @@ class BlockSparseLayer(PolicyLayer):
         score = self.page_bounds(query)
         real = score > -math.inf  # (B, H_kv, P) non-empty pages
         forced = real & (real.cumsum(-1) <= self.policy.sink_blocks)
-        newest = self._page_of(torch.tensor([self.stored_length() - 1], device=self.device))  # (B, 1)
+        newest = self._page_of(torch.full((1,), self.stored_length() - 1, device=self.device))  # (B, 1)
         forced.scatter_(-1, newest[:, None].expand(-1, score.shape[1], -1), True)
         k = self.policy.pages_to_read(real.sum(-1))  # (B, H_kv)
         width = int(k.max())  # rows differ in real pages with padding: the widest row's count (a sync)
@@ -152,7 +153,7 @@ class BlockSparseLayer(PolicyLayer):
     def _tokens(self, pages: torch.Tensor, total: int):
         """Token indices (B, H_kv, k * block_size) of ``pages`` and which of them are real."""
         bs = self.policy.block_size
-        shift = torch.tensor(self.shift, device=self.device)[:, None, None, None]
+        shift = _shift_tensor(tuple(self.shift), str(self.device))[:, None, None, None]
         t = (pages[..., None] * bs + torch.arange(bs, device=self.device) - shift).flatten(2)
         ok = (pages[..., None] >= 0).expand(-1, -1, -1, bs).flatten(2) & (t >= 0) & (t < total)
         t = t.clamp(0, total - 1)
@@ -230,6 +231,12 @@ class BlockSparseLayer(PolicyLayer):
     def stats(self) -> dict:
         c = {k: int(v) for k, v in self.counters.items()}
         return {**super().stats(), **c, "pages_read_fraction": c["pages_read"] / max(c["pages_total"], 1)}
+
+
+@functools.lru_cache(maxsize=64)
+def _shift_tensor(shift: tuple[int, ...], device: str) -> torch.Tensor:
+    """The rows' shifts (B,) on ``device``, built from host data once per (shifts, device), not per step."""
+    return torch.tensor(shift, device=device)
 
 
 BOUND_ELEMENTS = 1 << 25  # largest (rows x pages) temporary of one pass of page_bounds
