@@ -1,7 +1,7 @@
 """Host-blocking operations per layer-step of steady-state decode, for every selector x storage cell, at batch
-1 and in a left-padded batch of 2, counted on the CPU with ``kvcompress.metrics.host_syncs.HostSyncs`` (what a
-GPU would wait for, before and after each fix). A tiny random Llama (4 layers, head_dim 16); each cell uses its
-classes' ``TEST_PARAMS`` so that it really compresses; 2 warm-up steps, then 6 counted steps.
+1 and in a left-padded batch of 2, counted on the CPU with ``kvcompress.metrics.host_syncs.HostSyncs`` (what
+a GPU would wait for, before and after each fix). A tiny random Llama (4 layers, head_dim 16); each cell uses
+its classes' ``TEST_PARAMS`` so that it really compresses; 2 warm-up steps, then 6 counted steps.
 
     python experiments/gpu/host_syncs.py --out experiments/gpu/runs/host_syncs_cpu.json
 """
