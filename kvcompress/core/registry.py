@@ -9,6 +9,7 @@ registered YAML's ``_target_`` lives in (``trusted``); anything else is refused 
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import os
@@ -44,9 +45,17 @@ def load(group: str, name: str) -> dict:
     if name not in files:
         plural = {"policy": "policies", "storage": "storages"}.get(group, group)
         raise ValueError(f"{group}={name!r} is unknown; known {plural}: {sorted(files)}")
+    path = files[name]
+    return copy.deepcopy(_parsed(str(path), path.stat().st_mtime_ns))  # the caller may change its copy
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(path: str, mtime_ns: int) -> dict:
+    """A YAML file as a plain dict, parsed once per version of the file (``mtime_ns``): building a policy
+    with the default storage reads ``storage/dense.yaml``, so this is on every policy's construction."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(OmegaConf.load(files[name]), resolve=True)
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
 
 
 def trusted(path: str) -> bool:
@@ -134,7 +143,8 @@ def from_name(group: str, name: str, params: dict, always: tuple = ()):
             f"{group} {name!r} has no field(s) {sorted(unknown)}; fields: {sorted(set(cfg) - {'_target_'})}"
         )
     made = instantiate({**cfg, **params}, group)
-    made.registry_name = name  # the one name of a class several YAMLs build (a schedule preset)
+    if group == "policy":  # the one name of a class several YAMLs build (a schedule preset)
+        made.registry_name = name
     return made
 
 

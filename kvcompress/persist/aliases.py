@@ -374,7 +374,7 @@ DIGESTS = {
         "699f371bbb08dad5",
     ),
     "kvcompress.profiling": ("kvcompress.core.profiling", "4977440a3fa338f4", "4977440a3fa338f4"),
-    "kvcompress.registry": ("kvcompress.core.registry", "696ab4aeb853ad10", "1ba2b7ea563947b2"),
+    "kvcompress.registry": ("kvcompress.core.registry", "696ab4aeb853ad10", "eeb7c44d2e994f39"),
     "kvcompress.report": ("kvcompress.harness.report", "52d6ee38d9f79b30", "be4ef1132aabf707"),
     "kvcompress.results": ("kvcompress.harness.results", "764cecbba318c72c", "c5f356416374d03b"),
     "kvcompress.sources": ("kvcompress.core.sources", "297c44101c72fea3", "ebe7d6bbc809f061"),
