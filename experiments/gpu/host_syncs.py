@@ -1,7 +1,8 @@
 """Host-blocking operations per layer-step of steady-state decode, for every selector x storage cell, at batch
 1 and in a left-padded batch of 2, counted on the CPU with ``kvcompress.metrics.host_syncs.HostSyncs`` (what
-a GPU would wait for, before and after each fix). A tiny random Llama (4 layers, head_dim 16); each cell uses
-its classes' ``TEST_PARAMS`` so that it really compresses; 2 warm-up steps, then 6 counted steps.
+a GPU would wait for, before and after each fix). The GPU script's random Llama and cells
+(``smoke.model_of``, ``smoke.cells``: 4 layers, head_dim 16 here), each with its classes' ``TEST_PARAMS`` so
+that it really compresses; 2 warm-up steps, then 6 counted steps.
 
     python experiments/gpu/host_syncs.py --out experiments/gpu/runs/host_syncs_cpu.json
 """
@@ -9,64 +10,27 @@ its classes' ``TEST_PARAMS`` so that it really compresses; 2 warm-up steps, then
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvcompress.core.cache import build_cache, known_policies, known_storages, make_policy
-from kvcompress.core.registry import make_storage
-from kvcompress.metrics.host_syncs import HostSyncs
-from kvcompress.runtime.padding import Padded, check_padding
-from kvcompress.selectors import SchedulePolicy, StoragePreset
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from smoke import cells, model_of, policy_of  # noqa: E402  (the GPU script's model and cells)
+
+from kvcompress.core.cache import build_cache  # noqa: E402
+from kvcompress.metrics.host_syncs import HostSyncs  # noqa: E402
+from kvcompress.runtime.padding import Padded, check_padding  # noqa: E402
 
 WARM, COUNTED, PROMPT = 2, 6, 40
 
 
-def tiny() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        pad_token_id=0,
-        eos_token_id=95,
-        bos_token_id=1,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(cfg).eval()
-
-
-def variants() -> dict[str, dict]:
-    """Every storage with each of its declared ``TEST_PARAMS`` (``quant``, ``quant1``: its second)."""
-    out = {}
-    for name in known_storages():
-        for i, params in enumerate(type(make_storage(name)).TEST_PARAMS or [{}]):
-            out[f"{name}{i or ''}"] = {"name": name, **params}
-    return out
-
-
-def cells() -> list[tuple[str, str]]:
-    plain = [n for n in known_policies() if not isinstance(make_policy(n), (StoragePreset, SchedulePolicy))]
-    return [(s, v) for s in plain for v in variants()]
-
-
-def policy(selector: str, variant: str):
-    small = dataclasses.replace(make_policy(selector), **type(make_policy(selector)).TEST_PARAMS)
-    return dataclasses.replace(small, storage=make_storage(dict(variants()[variant])))
-
-
 @torch.inference_mode()
-def count(model, selector: str, storage: str, batch: int) -> dict:
+def count(model, selector: str, params: dict, batch: int) -> dict:
     """Counts per layer-step over ``COUNTED`` steady decode steps, or the refusal."""
     try:
-        cache = build_cache(policy(selector, storage), model)
+        cache = build_cache(policy_of(selector, params), model)
         if batch > 1:
             check_padding(cache, selector, "batch")
     except ValueError as err:
@@ -112,10 +76,10 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    model = tiny()
+    model = model_of("cpu", torch.float32, head_dim=16, layers=4)
     record = {"counted_steps": COUNTED, "cells": []}
-    for selector, storage in cells():
-        one, two = count(model, selector, storage, 1), count(model, selector, storage, 2)
+    for selector, storage, params in cells():
+        one, two = count(model, selector, params, 1), count(model, selector, params, 2)
         record["cells"].append({"selector": selector, "storage": storage, "batch_1": one, "batch_2": two})
     print(table(record))
     if args.out:
