@@ -160,6 +160,22 @@ def bf16_model():
     return make_tiny("llama", dtype=torch.bfloat16)
 
 
+_BF16_FULL: dict = {}
+
+
+@torch.inference_mode()
+def bf16_full_bytes(tokens: torch.Tensor) -> int:
+    """``full``'s bytes after the same stream (``tokens`` in chunks of 7, then 4 decode steps), once."""
+    key = tuple(tokens.flatten().tolist())
+    if key not in _BF16_FULL:
+        model, full = bf16_model(), build_cache("full", bf16_model())
+        stream_logits(model, tokens, full, chunk=7)
+        for t in range(4):
+            model(torch.tensor([[3 + t]]), cache=full, use_cache=True)
+        _BF16_FULL[key] = full.memory_bytes()
+    return _BF16_FULL[key]
+
+
 @pytest.mark.parametrize("sel,var", CELLS, ids=IDS)
 @torch.inference_mode()
 def test_cell_runs_in_bfloat16(sel, var, tokens):
@@ -185,9 +201,5 @@ def test_cell_runs_in_bfloat16(sel, var, tokens):
         logits = model(torch.tensor([[3 + t]]), cache=cache, use_cache=True).logits
         assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
     assert dtypes == {torch.bfloat16}
-    full = build_cache("full", model)
-    stream_logits(model, tokens, full, chunk=7)
-    for t in range(4):
-        model(torch.tensor([[3 + t]]), cache=full, use_cache=True)
     fixed = storage_bytes(t for layer in cache.layers for t in layer.store.fixed_tensors())
-    assert cache.memory_bytes() - fixed <= full.memory_bytes() * max_memory_ratio(cell_policy(sel, var))
+    assert cache.memory_bytes() - fixed <= bf16_full_bytes(tokens) * max_memory_ratio(cell_policy(sel, var))
