@@ -11,9 +11,11 @@ A codec that needs each token's absolute position (pre-RoPE keys) sets ``needs_p
 keeps ``positions`` (B, H_kv, T) int32 aligned with the stored tokens (the model's ``position_ids``, or
 consecutive positions when none are given), moved with every eviction and counted in ``tensors()``.
 
-Eviction (``keep``) with a per-token codec is exact: encoded rows are gathered, never re-encoded. Rows and
-heads may keep different numbers of encoded tokens; all then keep the largest such count, so in the others
-a few residual tokens are encoded earlier than the window says (each token is still encoded once).
+Eviction (``keep``) with a per-token codec is exact: encoded rows are gathered, never re-encoded. The
+kept tokens split between the two regions by count alone (the window keeps the newest ``min(Tr, k)`` of
+the ``k`` kept), so no eviction reads a value back to the host and every row of a batch keeps the same
+layout: a kept residual token that lands in the encoded region is encoded then (once), a kept encoded
+token that lands in the window is decoded into it (its reconstruction, what attention read already).
 """
 
 from __future__ import annotations
@@ -44,21 +46,6 @@ def _gather(part: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     idx = shared_heads(idx, shape[1])
     flat = part.reshape(*shape[:3], -1)
     return gather_tokens(flat, idx).view(*shape[:2], idx.shape[-1], *shape[3:])
-
-
-def _encoded_kept(idx: torch.Tensor, te: int) -> int:
-    """Encoded tokens that stay: the most any head keeps. Heads of a row may differ (the others encode a
-    few residual tokens early); rows may not, or a row's result would depend on the rest of its batch."""
-    if te == 0:
-        return 0
-    per_row = (idx < te).sum(-1).amax(-1)  # (B,)
-    if bool((per_row != per_row[0]).any()):
-        raise ValueError(
-            f"batch rows keep {per_row.tolist()} encoded tokens after eviction (padding or rows that "
-            "diverge): over quant or low_rank storage an evicting selector compresses each row on its own "
-            "only when all rows keep as many; run one sequence per batch (no padding) or use dense storage"
-        )
-    return int(per_row[0])
 
 
 def _rebuild(like: tuple, items) -> tuple:
@@ -168,33 +155,53 @@ class ResidualStore(Store):
         self.encoded[kind] = _rebuild(new, joined)
 
     def keep(self, idx) -> None:
-        first = self.residual[self.kinds[0]]
-        b, h = first.shape[:2]
-        idx = idx.expand(b, h, -1)
-        te = self.encoded_length
-        n_enc = _encoded_kept(idx, te)
-        head, tail = idx[..., :n_enc], idx[..., n_enc:] - te  # tail: residual positions only
+        """Keep tokens ``idx`` (B, 1 or H_kv, k) ascending. The residual window keeps the newest
+        ``min(Tr, k)`` kept tokens and the encoded region the rest: both lengths follow from ``k`` alone,
+        so no value is read back to the host. A kept residual token that falls in the encoded region is
+        encoded now (once); a kept encoded token that falls in the window (residual tokens were evicted)
+        is decoded into it: its reconstruction, the values attention read already."""
+        te, tr, k = self.encoded_length, self.residual_length, idx.shape[-1]
+        n_res = min(tr, k)
+        n_enc = k - n_res
         if self.positions is not None:
-            self.positions = self.positions.gather(-1, idx)
+            self.positions = self.positions.gather(-1, idx.expand(*self.positions.shape[:2], -1))
         for kind in self.kinds:
             res = self.residual[kind]
-            self.encoded[kind] = self._take_encoded(kind, head, te, res) if n_enc else None
-            self.residual[kind] = gather_tokens(res, tail)
+            kept = self._take_residual(kind, idx[..., n_enc:], te, res)  # reads the encoded parts first
+            self.encoded[kind] = self._take_encoded(kind, idx[..., :n_enc], te, res) if n_enc else None
+            self.residual[kind] = kept
 
     def _take_encoded(self, kind: str, head: torch.Tensor, te: int, res: torch.Tensor) -> tuple:
-        """Encoded rows ``head`` (B, H, n); positions past ``te`` are residual tokens encoded now."""
+        """Encoded rows ``head`` (B, 1 or H, n); positions past ``te`` are residual tokens, encoded now. Only
+        the last ``min(n, Tr)`` positions can be such (there are Tr residual tokens), so only they are
+        encoded, whatever the selection."""
         parts = self.encoded[kind]
         old = [_gather(p, head.clamp(max=te - 1)) for p in parts]
-        late = head >= te
-        if not bool(late.any()):
+        m = min(head.shape[-1], res.shape[2])
+        if m == 0:
             return _rebuild(parts, old)
-        pos = self._positions(0, head.shape[-1])  # already the kept tokens' positions
-        fresh = self.encode(kind, gather_tokens(res, (head - te).clamp(min=0)), None, pos)
-        mixed = []
+        last, n = head[..., -m:], head.shape[-1]  # (B, 1 or H, m)
+        pos = self._positions(n - m, n)  # already the kept tokens' positions
+        rows = (last - te).clamp(min=0).expand(*res.shape[:2], -1)
+        fresh = self.encode(kind, gather_tokens(res, rows), None, pos)
+        late = last >= te
         for o, f in zip(old, fresh, strict=True):
-            m = shared_heads(late, o.shape[1])
-            mixed.append(torch.where(m.view(*m.shape, *([1] * (o.dim() - 3))), f, o))
-        return _rebuild(parts, mixed)
+            mask = shared_heads(late, o.shape[1])
+            tail = o[:, :, n - m :]
+            tail.copy_(torch.where(mask.view(*mask.shape, *([1] * (o.dim() - 3))), f, tail))
+        return _rebuild(parts, old)
+
+    def _take_residual(self, kind: str, tail: torch.Tensor, te: int, res: torch.Tensor) -> torch.Tensor:
+        """The window after eviction: kept tokens ``tail`` (B, 1 or H, n); those before ``te`` are encoded
+        tokens, decoded here (their reconstruction)."""
+        kept = gather_tokens(res, (tail - te).clamp(min=0).expand(*res.shape[:2], -1))
+        if te == 0 or not tail.shape[-1]:
+            return kept
+        parts = self.encoded[kind]
+        rows = [_gather(p, tail.clamp(max=te - 1)) for p in parts]
+        pos = None if self.positions is None else self.positions[..., -tail.shape[-1] :]
+        decoded = self.decode(kind, _rebuild(parts, rows), torch.empty_like(kept), pos)
+        return torch.where((tail < te)[..., None], decoded, kept)  # (B, H, n, D)
 
     def reorder(self, beam_idx) -> None:
         for kind in self.kinds:
