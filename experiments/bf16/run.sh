@@ -7,10 +7,13 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 R=experiments/bf16/runs
 source experiments/_run_lib.sh
-POLICIES="full quant sliding_window h2o block_sparse"
+POLICIES="full quant sliding_window h2o block_sparse tova block_evict low_rank tiered"
 stream() {
-  local dtype=$1
-  for p in $POLICIES; do run "${p}_${dtype}" policy=$p model.dtype=$dtype task.speed=false; done
+  local dtype=$1 common="model.dtype=$1 task.speed=false"
+  for p in $POLICIES; do run "${p}_${dtype}" policy=$p $common; done
+  # selectors over int4 storage (per-token keys: these evict at every step)
+  run "h2o_int4_${dtype}" policy=h2o storage=quant storage.bits=4 storage.key_axis=token $common
+  run "sliding_window_int4_${dtype}" policy=sliding_window storage=quant storage.bits=4 storage.key_axis=token $common
 }
 stream float32 &
 stream bfloat16 &
