@@ -12,6 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+
+# The Triton kernels run under Triton's interpreter on a machine without a GPU. The switch is read when
+# triton is first imported (torch's compiler imports it with kvcompress), so it is set before anything else.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from kvcompress import kernels

@@ -1,6 +1,9 @@
 """Attention backends: each declares which plans it serves (read form, device, dtype, probabilities) and
 runs them. Importing this module registers them with ``kvcompress.core.executor``, which takes the first
-that serves a plan (in the order cpu, torch, sdpa, eager).
+that serves a plan (in the order triton, cpu, torch, sdpa, eager).
+
+- ``triton``: the Triton kernels (``kvcompress.kernels.triton_backend``) on CUDA tensors: scored and
+  grouped dense decode, KIVI codes, Quest pages (a CPU only under Triton's interpreter, for tests).
 
 - ``cpu``: the C++ kernels (``kvcompress.kernels``): KIVI sums from packed codes and Quest pages read in
   place, on CPU tensors where the kernel built (pages: float32 keys).
@@ -24,6 +27,7 @@ from kvcompress.core.fused import attend_by_parts, decode_attention
 from kvcompress.core.masks import causal
 from kvcompress.core.plan import Call, Plan
 from kvcompress.kernels import fused_pages, fused_quant
+from kvcompress.kernels.triton_backend import Triton
 
 
 def _dense_only(plan: Plan) -> str | None:
@@ -180,5 +184,5 @@ def _in_place(key: torch.Tensor) -> bool:
     return key.dtype == torch.float32 and key.stride(-1) == 1
 
 
-for _backend in (Eager(), Sdpa(), Torch(), Cpu()):  # each goes first: cpu, torch, sdpa, eager
+for _backend in (Eager(), Sdpa(), Torch(), Cpu(), Triton()):  # each goes first: triton, cpu, torch, ...
     register(_backend)
