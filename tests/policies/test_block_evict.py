@@ -132,6 +132,9 @@ def test_left_padded_rows_keep_what_they_keep_alone():
     assert [[t - pads[1] for t in head] for head in got[1]] == alone[1]
     assert [len(got[0][0]), len(got[1][0])] == [13, 16]  # rows keep different counts: extra slots masked
     assert batch.keys.shape[-2] == 16
+    # the host's mirror, from which every eviction count is decided, is what the device holds
+    stored = batch.valid[:, 0].sum(-1).tolist()
+    assert batch.rows == tuple(zip(batch.n_real.tolist(), batch.n_blocks.tolist(), stored, strict=True))
 
 
 @pytest.mark.parametrize(
