@@ -27,6 +27,9 @@ DATA_SHAPED = {
     "aten.repeat_interleave.Tensor",
 }
 FROM_HOST = {"aten.lift_fresh.default"}
+# Functions that run once per model forward, not once per layer: the forward's padding check and the
+# model's own mask (transformers reads the padding mask back to decide whether SDPA may skip it).
+PER_FORWARD = {"new_token_validity", "kvcompress_mask"}
 PACKAGE = str(Path(__file__).resolve().parents[1])
 HERE = str(Path(__file__).resolve())
 
@@ -47,30 +50,39 @@ def kind_of(func, args) -> str | None:
     return None
 
 
-def _where() -> str:
-    """The first kvcompress source line (outside this module) on the stack, as ``path:line``."""
+def _where() -> tuple[str, str]:
+    """The first kvcompress source line (outside this module) on the stack, as ``path:line``, and its
+    function's name."""
     for frame in reversed(traceback.extract_stack()[:-2]):
         if frame.filename.startswith(PACKAGE) and frame.filename != HERE:
-            return f"{Path(frame.filename).relative_to(Path(PACKAGE).parent)}:{frame.lineno}"
-    return "outside kvcompress"
+            return f"{Path(frame.filename).relative_to(Path(PACKAGE).parent)}:{frame.lineno}", frame.name
+    return "outside kvcompress", ""
 
 
 class HostSyncs(TorchDispatchMode):
-    """``with HostSyncs() as s: ...``: ``s.kinds`` (per kind), ``s.lines`` (per source line), ``s.total``."""
+    """``with HostSyncs() as s: ...``: ``s.kinds`` (per kind), ``s.lines`` (per source line), ``s.total``;
+    ``s.per_forward``: those made once per model forward (``PER_FORWARD``); ``s.in_layers``: the rest."""
 
     def __init__(self):
         super().__init__()
         self.kinds: collections.Counter = collections.Counter()
         self.lines: collections.Counter = collections.Counter()
+        self.per_forward = 0
         self._tolist = None
 
     @property
     def total(self) -> int:
         return sum(self.kinds.values())
 
+    @property
+    def in_layers(self) -> int:
+        return self.total - self.per_forward
+
     def _count(self, kind: str) -> None:
+        line, function = _where()
         self.kinds[kind] += 1
-        self.lines[_where()] += 1
+        self.lines[line] += 1
+        self.per_forward += function in PER_FORWARD
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kind = kind_of(func, args)
