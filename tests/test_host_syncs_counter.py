@@ -35,3 +35,17 @@ def test_it_names_the_kvcompress_line_that_asked():
     assert valid is not None and dict(syncs.kinds) == {"read_back": 1}
     ((line, n),) = syncs.lines.items()
     assert line.startswith("kvcompress/core/forward_state.py:") and n == 1
+
+
+def test_it_counts_python_numbers_read_under_inference_mode_once_each():
+    """Under ``inference_mode`` a CPU tensor's ``item``/``int``/``float`` skip the dispatcher: the wrapped
+    methods still count them, once each (not again through the aten op) and in ordinary mode too."""
+    for mode in (torch.inference_mode, torch.no_grad):
+        with mode():
+            x = torch.arange(6.0)
+            with HostSyncs() as syncs:
+                x.sum().item()
+                int(x.sum())
+                float(x.max())
+                [0, 1, 2][x[1].long()]  # __index__
+            assert dict(syncs.kinds) == {"read_back": 4}, mode

@@ -13,6 +13,7 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_tiny
@@ -114,6 +115,15 @@ def test_unpadded_decode_reads_pages_without_a_mask(monkeypatch):
     assert got.isfinite().all()
 
 
+def fetched(cold, idx: torch.Tensor) -> torch.Tensor:
+    """Rows ``idx`` of ``cold`` through ``fetch_into`` (into rows 0..m-1 of a fresh tensor, ids beside)."""
+    out = torch.zeros(len(idx), cold.row, dtype=cold.dtype)
+    ids = torch.full((len(idx),), -1, dtype=torch.long)
+    cold.fetch_into(idx.numpy(), np.arange(len(idx)), idx.numpy() + 100, out, ids)
+    assert torch.equal(ids, idx + 100)
+    return out
+
+
 def test_disk_tier_round_trips_bit_exactly(tmp_path):
     for dtype in (torch.float32, torch.bfloat16):
         cold = ColdPages("disk", str(tmp_path), 24, dtype, torch.device("cpu"))
@@ -121,7 +131,7 @@ def test_disk_tier_round_trips_bit_exactly(tmp_path):
         for part in rows.split(7):  # grows its mapped file several times
             cold.append(part)
         idx = torch.tensor([39, 0, 17, 17, 5])
-        assert torch.equal(cold.fetch(idx).view(torch.uint8), rows[idx].view(torch.uint8))
+        assert torch.equal(fetched(cold, idx).view(torch.uint8), rows[idx].view(torch.uint8))
     model = make_tiny("llama")
     host = stream_logits(model, IDS, build_cache(tiered("host"), model), 3)
     disk = stream_logits(model, IDS, build_cache(tiered("disk", folder=str(tmp_path)), model), 3)
@@ -137,7 +147,7 @@ def test_cold_tier_holds_at_most_a_quarter_more_than_its_rows(tmp_path, tier):
         assert cold.nbytes() <= max(1.25 * cold.used + 1, MIN_ROWS) * 8 * 4
     assert cold.nbytes() >= 1000 * 8 * 4
     idx = torch.arange(999, -1, -7)
-    assert torch.equal(cold.fetch(idx), rows[idx])
+    assert torch.equal(fetched(cold, idx), rows[idx])
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -250,9 +260,12 @@ def test_lru_keeps_this_steps_pages_and_evicts_the_least_recently_used():
     lru = page_lru.grow(None, 1, 1, 3, 2, torch.float32, "cpu")
     fetched = []
 
-    def fetch(b, h, page):
+    def fetch(triples, slots):  # host arrays: write each missed page's id as its row
+        page = triples[2]
         fetched.extend(page.tolist())
-        return page.float()[:, None].expand(-1, 2)
+        at = torch.from_numpy(slots)
+        lru.rows.index_copy_(0, at, torch.from_numpy(page).float()[:, None].expand(-1, 2))
+        lru.page.view(-1).index_copy_(0, at, torch.from_numpy(page))
 
     counters = {"tick": 0, "lookups": 0, "hits": 0, "pages_fetched": 0}
     # page 0 is used again at step 2, so step 3 evicts page 1 (least recently used), step 4 page 2

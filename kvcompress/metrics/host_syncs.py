@@ -4,7 +4,8 @@ Every aten op a step runs is seen, so the count on a CPU is what a GPU would wai
 (``item``, ``int``, ``bool``, ``float``: ``_local_scalar_dense``; ``equal``), shapes that depend on data
 (``nonzero``, ``masked_select``, ``unique``, ``repeat_interleave`` by a tensor, indexing by a boolean mask)
 and tensors built from host data (``torch.tensor(list)``: ``lift_fresh``). ``tolist`` reads memory without an
-aten op, so it is counted by wrapping the method. Each count names the first kvcompress source line on the
+aten op, and under ``torch.inference_mode`` so do ``item``, ``int`` and ``float`` on a CPU tensor, so these
+are counted by wrapping the methods (``WRAPPED``). Each count names the first kvcompress source line on the
 stack, so a table says where to look.
 """
 
@@ -27,9 +28,16 @@ DATA_SHAPED = {
     "aten.repeat_interleave.Tensor",
 }
 FROM_HOST = {"aten.lift_fresh.default"}
+# Read back without an aten op the mode sees: ``tolist`` always, and on inference tensors ``item`` and the
+# conversions to Python numbers (a CPU fast path skips the dispatcher); wrapped, each counts once.
+WRAPPED = ("tolist", "item", "__int__", "__float__", "__index__")
 # Functions that run once per model forward, not once per layer: the forward's padding check and the
 # model's own mask (transformers reads the padding mask back to decide whether SDPA may skip it).
 PER_FORWARD = {"new_token_validity", "kvcompress_mask"}
+# Functions whose host tensors stay on the host by design: the cold tier gathers its rows and indices
+# there and uploads them through pinned staging buffers on a copy stream (``ColdPages.fetch_into``). Their
+# ``from_host`` tensors are not counted; what they read back would be.
+HOST_SIDE = {"fetch_into"}
 PACKAGE = str(Path(__file__).resolve().parents[1])
 HERE = str(Path(__file__).resolve())
 
@@ -68,7 +76,8 @@ class HostSyncs(TorchDispatchMode):
         self.kinds: collections.Counter = collections.Counter()
         self.lines: collections.Counter = collections.Counter()
         self.per_forward = 0
-        self._tolist = None
+        self._methods: dict = {}
+        self._wrapped = False
 
     @property
     def total(self) -> int:
@@ -80,27 +89,40 @@ class HostSyncs(TorchDispatchMode):
 
     def _count(self, kind: str) -> None:
         line, function = _where()
+        if kind == "from_host" and function in HOST_SIDE:
+            return
         self.kinds[kind] += 1
         self.lines[line] += 1
         self.per_forward += function in PER_FORWARD
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kind = kind_of(func, args)
-        if kind is not None:
+        if kind is not None and not self._wrapped:
             self._count(kind)
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):
-        self._tolist = torch.Tensor.tolist
-        counter, tolist = self, self._tolist
-
-        def counted(tensor, *args, **kwargs):
-            counter._count("read_back")
-            return tolist(tensor, *args, **kwargs)
-
-        torch.Tensor.tolist = counted
+        self._methods = {name: getattr(torch.Tensor, name) for name in WRAPPED}
+        for name, method in self._methods.items():
+            setattr(torch.Tensor, name, self._counted(method))
         return super().__enter__()
 
+    def _counted(self, method):
+        """``method`` counted as one read-back, its own aten ops not counted again."""
+
+        def counted(tensor, *args, **kwargs):
+            if self._wrapped:
+                return method(tensor, *args, **kwargs)
+            self._count("read_back")
+            self._wrapped = True
+            try:
+                return method(tensor, *args, **kwargs)
+            finally:
+                self._wrapped = False
+
+        return counted
+
     def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
+        for name, method in self._methods.items():
+            setattr(torch.Tensor, name, method)
         return super().__exit__(*exc)

@@ -72,10 +72,7 @@ class BlockSparsePolicy(Policy):
     def pages_to_read_count(self, n_pages: int) -> int:
         """``pages_to_read`` for ``n_pages`` non-empty pages in every row and head, on the host (the same
         float32 product as the tensor form, so both round alike)."""
-        if self.read_ratio is None:
-            return min(self.top_k_blocks, n_pages)
-        k = math.ceil(float(np.float32(n_pages) * np.float32(self.read_ratio)))
-        return min(max(k, self.sink_blocks + 1), n_pages)
+        return pages_to_read_count(n_pages, self.top_k_blocks, self.read_ratio, self.sink_blocks + 1)
 
     def kept_tokens(self, s: Shape) -> int:
         """Quest evicts nothing: every token is stored."""
@@ -84,6 +81,14 @@ class BlockSparsePolicy(Policy):
     def state_bytes(self, s: Shape, kept: int) -> int:
         """Per-page key min and max (B, H_kv, P, D) x 2 in the model dtype, ``P = ceil(T / block_size)``."""
         return s.kv(math.ceil(s.total / self.block_size))
+
+
+def pages_to_read_count(n_pages: int, top_k: int, read_ratio: float | None, least: int) -> int:
+    """``pages_to_read`` of one count on the host (the same float32 product, so both round alike)."""
+    if read_ratio is None:
+        return min(top_k, n_pages)
+    k = math.ceil(float(np.float32(n_pages) * np.float32(read_ratio)))
+    return min(max(k, least), n_pages)
 
 
 def pages_to_read(n_pages: torch.Tensor, top_k: int, read_ratio: float | None, least: int) -> torch.Tensor:

@@ -138,7 +138,9 @@ class BlockSparseLayer(PolicyLayer):
         newest = self._page_of(torch.full((1,), self.stored_length() - 1, device=self.device))  # (B, 1)
         forced.scatter_(-1, newest[:, None].expand(-1, score.shape[1], -1), True)
         k = self.policy.pages_to_read(real.sum(-1))  # (B, H_kv)
-        width = int(k.max())  # rows differ in real pages with padding: the widest row's count (a sync)
+        # rows differ in real pages with padding: the width is the count for every page, known on the host
+        # (no row reads more); a row's unused slots are -1
+        width = self.policy.pages_to_read_count(score.shape[-1])
         top = score.masked_fill(forced, math.inf).topk(width, dim=-1).indices  # best first
         top = top.masked_fill(torch.arange(top.shape[-1], device=self.device) >= k[..., None], -1)
         return top.sort(dim=-1).values

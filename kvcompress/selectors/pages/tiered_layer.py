@@ -10,7 +10,7 @@ import math
 import torch
 
 from kvcompress.core.policy import PolicyLayer
-from kvcompress.selectors.pages.block_sparse import pages_to_read
+from kvcompress.selectors.pages.block_sparse import pages_to_read, pages_to_read_count
 from kvcompress.selectors.pages.block_sparse_layer import page_bounds
 
 
@@ -78,11 +78,17 @@ class TieredLayer(PolicyLayer):
         p = self.policy
         k = pages_to_read(real.sum(-1), p.top_k_blocks, p.read_ratio, max(1, p.sink_blocks))
         k = k.clamp(max=self.store.config.lru_pages)  # the device budget caps a read_ratio
-        kmax = int(k.max())
+        kmax = self._widest(score.shape[-1])  # on the host: no row reads more; unused slots are -1
         if kmax == 0:
             return None
         top = score.masked_fill(forced, math.inf).topk(kmax, dim=-1).indices
         return top.masked_fill(torch.arange(kmax, device=self.device) >= k[..., None], -1)
+
+    def _widest(self, n_pages: int) -> int:
+        """Pages the fullest row may read, from the cold page count alone (host integers, the same rule)."""
+        p = self.policy
+        k = pages_to_read_count(n_pages, p.top_k_blocks, p.read_ratio, max(1, p.sink_blocks))
+        return min(k, self.store.config.lru_pages)
 
     def stats(self) -> dict:
         s = super().stats()

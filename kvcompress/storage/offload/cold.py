@@ -7,7 +7,8 @@ the mapping (the cache), and no file outlives the process, even a killed one. Gr
 ``GROWTH`` times the capacity and copies the old rows over: the tier holds at most a quarter more than its
 rows (doubling would hold up to twice), for about four copies of each row over a long prefill.
 
-The host tier is pinned memory when the device is CUDA, so fetches copy asynchronously. On a CPU-only
+The host tier is pinned memory when the device is CUDA, and fetches go through a pinned staging buffer
+on a copy stream that the compute stream waits for by event (``fetch_into``). On a CPU-only
 machine the host tier is the same memory as the "device": it saves nothing there (the disk tier does).
 """
 
@@ -42,6 +43,7 @@ class ColdPages:
     def __init__(self, tier: str, folder: str | None, row: int, dtype: torch.dtype, device: torch.device):
         self.tier, self.folder, self.row, self.dtype, self.device = tier, folder, row, dtype, device
         self.pin = tier == "host" and device.type == "cuda" and torch.cuda.is_available()
+        self.staged = device.type == "cuda" and torch.cuda.is_available()  # fetches via pinned staging
         self.data: torch.Tensor | None = None  # (capacity, row)
         self.used = 0  # rows written
 
@@ -70,14 +72,61 @@ class ColdPages:
         self.data[self.used : need].copy_(rows, non_blocking=False)
         self.used = need
 
-    def fetch(self, idx: torch.Tensor) -> torch.Tensor:
-        """Rows ``idx`` (m,) copied onto the device (asynchronously from pinned host memory)."""
-        idx = idx.to("cpu")
-        if self.pin:
-            out = torch.empty(idx.shape[0], self.row, dtype=self.dtype, pin_memory=True)
-            torch.index_select(self.data, 0, idx, out=out)
-            return out.to(self.device, non_blocking=True)
-        return self.data.index_select(0, idx).to(self.device)
+    def fetch_into(self, idx, slots, ids, rows: torch.Tensor, pages: torch.Tensor) -> None:
+        """Copy cold rows ``idx`` into device rows ``slots`` of ``rows`` and write ``ids`` at ``slots`` of
+        ``pages``; ``idx``, ``slots``, ``ids`` are (m,) int64 numpy arrays (host data).
+
+        On CUDA the rows and indices are gathered into preallocated pinned staging buffers (two, used in
+        turn, grown when a fetch needs more) and uploaded on a copy stream; the compute stream waits for
+        that upload's event, the host never does. Elsewhere the same steps run in order."""
+        idx = torch.from_numpy(idx)
+        if not self.staged:
+            at = torch.from_numpy(slots).to(rows.device)
+            rows.index_copy_(0, at, self.data.index_select(0, idx).to(rows.device))
+            pages.index_copy_(0, at, torch.from_numpy(ids).to(pages.device))
+            return
+        m = idx.shape[0]
+        data, index, done = self._staging(m)
+        if not done.query():  # this buffer's upload of two fetches ago is still running (rare)
+            done.synchronize()
+        torch.index_select(self.data, 0, idx, out=data)
+        index[0].copy_(torch.from_numpy(slots))
+        index[1].copy_(torch.from_numpy(ids))
+        compute = torch.cuda.current_stream(rows.device)
+        copy = self._copy_stream(rows.device)
+        copy.wait_stream(compute)  # the slots' old rows are free once this step's earlier work ran
+        with torch.cuda.stream(copy):
+            on_device = data.to(rows.device, non_blocking=True)
+            at = index.to(rows.device, non_blocking=True)
+            rows.index_copy_(0, at[0], on_device)
+            pages.index_copy_(0, at[0], at[1])
+            done.record(copy)
+        compute.wait_event(done)
+        on_device.record_stream(compute)
+        at.record_stream(compute)
+
+    def _staging(self, n: int):
+        """The next pinned staging buffers (rows (n, row), indices (2, n) int64) and their last upload's
+        event."""
+        if not hasattr(self, "_buffers"):
+            self._buffers, self._events, self._turn = (
+                [None, None],
+                [torch.cuda.Event(), torch.cuda.Event()],
+                0,
+            )
+        self._turn = turn = 1 - self._turn
+        held = self._buffers[turn]
+        if held is None or held[0].shape[0] < n:
+            self._events[turn].synchronize()
+            size = max(n, MIN_ROWS, 0 if held is None else 2 * held[0].shape[0])
+            rows = torch.empty(size, self.row, dtype=self.dtype, pin_memory=True)
+            self._buffers[turn] = held = (rows, torch.empty(2, size, dtype=torch.long, pin_memory=True))
+        return held[0][:n], held[1][:, :n], self._events[turn]
+
+    def _copy_stream(self, device):
+        if getattr(self, "_stream", None) is None:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
 
     def nbytes(self) -> int:
         """Bytes this tier holds (its capacity: what the process really allocated or mapped)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 NEVER = -1
@@ -38,8 +39,11 @@ def grow(lru: LRU | None, b: int, h: int, n: int, row: int, dtype, device) -> LR
 
 def lookup(lru: LRU, want: torch.Tensor, fetch, counters: dict) -> torch.Tensor:
     """Rows (B, H_kv, k, row) of pages ``want`` (B, H_kv, k) (-1: none; its rows are unspecified); misses
-    are copied in by ``fetch(b, h, page)`` (three (m,) index tensors -> (m, row) on the device).
+    are copied in by ``fetch(triples, slots)``: the misses' (b, h, page) as host int64 arrays and their
+    flat slots (m,) on the host; it writes their rows into ``lru.rows`` and their ids into ``lru.page``.
 
+    The host reads one thing per call: which pages miss, and where they go (``tolist`` of one small
+    tensor). Victims are chosen on the device for every asked page, hit or not, so nothing else waits.
     ``counters`` gains ``lookups``, ``hits``, ``pages_fetched``; its ``tick`` orders the uses.
     """
     b, h, k = want.shape
@@ -49,25 +53,25 @@ def lookup(lru: LRU, want: torch.Tensor, fetch, counters: dict) -> torch.Tensor:
     asked = want >= 0
     hit = (lru.page[:, :, None, :] == want[..., None]) & asked[..., None]  # (B, H_kv, k, S)
     found = hit.any(-1)
-    slot = hit.int().argmax(-1)  # (B, H_kv, k)
     need = asked & ~found
-    if bool(need.any()):
-        age = lru.used.masked_fill(hit.any(-2), torch.iinfo(torch.long).max)  # this step's pages stay
-        order = age.argsort(dim=-1, stable=True)  # (B, H_kv, S): empty, then least recently used first
-        rank = (need.long().cumsum(-1) - 1).clamp(min=0)
-        slot = torch.where(need, order.gather(-1, rank), slot)
-        bi, hi, ki = need.nonzero(as_tuple=True)
-        pages, slots = want[bi, hi, ki], slot[bi, hi, ki]
-        lru.rows.index_copy_(0, (bi * h + hi) * s + slots, fetch(bi, hi, pages))
-        lru.page[bi, hi, slots] = pages
-        counters["pages_fetched"] += int(pages.shape[0])
+    age = lru.used.masked_fill(hit.any(-2), torch.iinfo(torch.long).max)  # this step's pages stay
+    order = age.argsort(dim=-1, stable=True)  # (B, H_kv, S): empty, then least recently used first
+    rank = (need.long().cumsum(-1) - 1).clamp(min=0)
+    slot = torch.where(need, order.gather(-1, rank), hit.int().argmax(-1))  # (B, H_kv, k)
+    misses = np.array(torch.stack([want, need.long(), slot]).tolist(), dtype=np.int64)  # the one read
+    bi, hi, ki = np.nonzero(misses[1])
+    if bi.size:
+        pages, slots = misses[0][bi, hi, ki], misses[2][bi, hi, ki]
+        fetch((bi, hi, pages), (bi * h + hi) * s + slots)  # writes lru.rows and lru.page
+        counters["pages_fetched"] += int(bi.size)
     counters["tick"] += 1
     touched = torch.zeros_like(lru.used).scatter_reduce_(-1, slot, asked.long(), "amax") > 0
     lru.used.masked_fill_(touched, counters["tick"])
-    counters["lookups"] += int(asked.sum())
-    counters["hits"] += int(found.sum())
-    flat = (torch.arange(b * h, device=want.device).view(b, h, 1) * s + slot).view(-1)
-    return lru.rows.index_select(0, flat).view(b, h, k, -1)
+    n_asked = int((misses[0] >= 0).sum())
+    counters["lookups"] += n_asked
+    counters["hits"] += n_asked - int(bi.size)
+    index = (torch.arange(b * h, device=want.device).view(b, h, 1) * s + slot).view(-1)
+    return lru.rows.index_select(0, index).view(b, h, k, -1)
 
 
 def reorder(lru: LRU | None, beam_idx: torch.Tensor) -> LRU | None:

@@ -124,8 +124,9 @@ class OffloadStore(Store):
         want = min(self.config.lru_pages, self.cold_pages)
         self.lru = page_lru.grow(self.lru, b, h, want, 2 * bs * d, self.keys.dtype, self.keys.device)
 
-        def from_cold(bi, hi, page):
-            return self.cold.fetch(((page * b + bi) * h + hi).to("cpu"))
+        def from_cold(triples, slots):  # host (b, h, page) and slot arrays: the LRU's rows and page ids
+            bi, hi, page = triples
+            self.cold.fetch_into((page * b + bi) * h + hi, slots, page, self.lru.rows, self.lru.page.view(-1))
 
         rows = page_lru.lookup(self.lru, pages, from_cold, self.counters)  # (B, H_kv, k, 2 * bs * D)
         kv = rows.view(b, h, -1, 2, bs, d)
