@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "gpu" / "smoke.py"
@@ -32,3 +33,36 @@ def test_bf16_cells_run_or_are_refused_and_full_matches_itself(tmp_path):
     assert cells[("h2o", "dense")]["backends"].get("torch", 0) == 4 * 4  # every decode step scored grouped
     assert "cannot work" in cells[("tiered", "dense")]["error"]  # refused by name, with the fix
     assert cells[("tiered", "offload")]["status"] == "ok"
+
+
+RUN = Path(__file__).resolve().parents[1] / "experiments" / "gpu" / "run.py"
+
+
+def test_the_gpu_run_dry_runs_every_part_on_the_cpu(tmp_path):
+    """``experiments/gpu/run.py --dry-run``: the same code at tiny shapes. Every main policy decodes with no
+    host-blocking op per layer-step (``tiered``: at most one), and every cache of the benchmark runs and
+    is measured, each compressed one holding fewer bytes than ``full``; transformers' offloading is
+    declared CUDA-only rather than run."""
+    spec = importlib.util.spec_from_file_location("gpu_run", RUN)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_run"] = module  # its dataclass looks its module up
+    spec.loader.exec_module(module)
+    out = tmp_path / "run.json"
+    module.main(["--dry-run", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert record["kernels"]["status"] == "skipped" and record["environment"]["dry_run"]
+    syncs = record["syncs"]
+    assert set(syncs) == set(module.SYNC_POLICIES)
+    for name, got in syncs.items():
+        assert got["status"] == "ok", (name, got)
+        assert got["per_layer_step"] <= (1.0 if name == "tiered" else 0.0), (name, got)
+    rows = {(r["context"], r["cache"]): r for r in record["bench"]}
+    for n in (64, 128):
+        ours = [rows[(n, name)] for name in module.OURS]
+        assert all(r["status"] == "ok" and r["decode_tok_s"] > 0 for r in ours), ours
+        full = rows[(n, "full")]["cache_bytes"]
+        theirs = rows[(n, "DynamicCache")]["cache_bytes"]  # the same tokens; full's buffers grow with spare
+        assert theirs <= full <= theirs * (1 + 1 / 64)  # slots (at most 1/128 of them), which it counts
+        for name in ("int4", "int2", "snapkv_0.5", "snapkv_0.5_int4"):
+            assert rows[(n, name)]["cache_bytes"] < full, name
+        assert rows[(n, "DynamicCache_offload")]["status"] == "unavailable"
