@@ -11,11 +11,12 @@ A codec that needs each token's absolute position (pre-RoPE keys) sets ``needs_p
 keeps ``positions`` (B, H_kv, T) int32 aligned with the stored tokens (the model's ``position_ids``, or
 consecutive positions when none are given), moved with every eviction and counted in ``tensors()``.
 
-Eviction (``keep``) with a per-token codec gathers encoded rows as they are. The kept tokens split between the two regions by count alone (the window keeps the newest ``min(Tr, k)`` of
-the ``k`` kept), so no eviction reads a value back to the host and every row of a batch keeps the same
-layout: a kept residual token that lands in the encoded region is encoded then (once), a kept encoded
-token that lands in the window (residual tokens were evicted) is decoded into it (its reconstruction,
-what attention read already) and encoded again when it leaves the window.
+Eviction (``keep``) with a per-token codec gathers encoded rows as they are. The kept tokens split
+between the two regions by count alone (the window keeps the newest ``min(Tr, k)`` of the ``k`` kept), so
+no eviction reads a value back to the host and every row of a batch keeps the same layout: a kept residual
+token that lands in the encoded region is encoded then (once), a kept encoded token that lands in the
+window (residual tokens were evicted) is decoded into it (its reconstruction, what attention read
+already) and encoded again when it leaves the window.
 """
 
 from __future__ import annotations
