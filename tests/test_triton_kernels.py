@@ -128,11 +128,12 @@ def test_pages_read_in_place_match_gathered_attention(dtype, block, gqa, head_di
     pages = torch.stack([torch.randperm(n_pages - 1, device=DEVICE)[: k_pages - 1] for _ in range(b * h_kv)])
     pages = torch.cat([pages.sort(-1).values, torch.full((b * h_kv, 1), n_pages - 1, device=DEVICE)], -1)
     pages = pages.view(b, h_kv, k_pages)
+    pages[1, 0, 0] = -1  # an unused slot (a row with fewer pages to read) is skipped
     q = randn(b, h_kv * gqa, 1, head_dim, dtype=dtype)
     out = ta.pages_attention(q, k, v, pages, block, total, head_dim**-0.5)
     slots = (pages[..., None] * block + torch.arange(block, device=DEVICE)).flatten(2)  # (B, H_kv, k * block)
-    valid = slots < total
-    idx = slots.clamp(max=total - 1)[..., None].expand(-1, -1, -1, head_dim)
+    valid = (slots < total) & (slots >= 0)
+    idx = slots.clamp(0, total - 1)[..., None].expand(-1, -1, -1, head_dim)
     want, _ = reference(q, k.gather(2, idx), v.gather(2, idx), head_dim**-0.5, valid)
     close(out, want, dtype, "pages")
 

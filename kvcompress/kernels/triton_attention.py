@@ -172,7 +172,7 @@ def _pages_kernel(
     for i in range(start, stop):
         page = tl.load(PAGES + b * sp_b + h * sp_h + i).to(tl.int64)
         offs_t = page * block + offs_p
-        t_ok = (offs_p < block) & (offs_t < total)
+        t_ok = (offs_p < block) & (offs_t >= 0) & (offs_t < total)  # page -1 (an unused slot): none
         ok = t_ok[:, None] & d_ok[None, :]
         k = tl.load(K + b * sk_b + h * sk_h + offs_t[:, None] * sk_t + offs_d[None, :], mask=ok, other=0.0)
         v = tl.load(V + b * sv_b + h * sv_h + offs_t[:, None] * sv_t + offs_d[None, :], mask=ok, other=0.0)
