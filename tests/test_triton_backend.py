@@ -88,3 +88,34 @@ def test_the_backend_declares_what_it_does_not_serve():
         assert "not a key mask per KV head" in backend.missing(Plan(Dense(k, k, three_heads), "last"), call)
         prefill = Call(executor.Standalone(), torch.randn(1, 4, 3, 16), 0.25, {}, "sdpa")
         assert "one decode query" in backend.missing(Plan(Dense(k, k, None), "last"), prefill)
+
+
+def test_prefill_score_windows_come_from_the_kernel_with_the_same_selection():
+    """SnapKV ranks the prompt by its observation window's probabilities: under ``on_cpu`` they come from the
+    Triton window kernel (counted by a spy), and the cache keeps the same tokens with the same logits."""
+    from kvcompress.core import fused
+
+    model = make_tiny("llama")
+    ids = torch.randint(2, 90, (1, PREFILL + STEPS), generator=torch.Generator().manual_seed(7))
+    calls = []
+    (kernel,) = fused.WINDOW_SCORERS
+
+    def spy(*args):
+        out = kernel(*args)
+        calls.append(out is not None)
+        return out
+
+    base = build_cache("snapkv", model, budget=16, observation_window=4)
+    want = _run(model, base, ids)
+    fused.WINDOW_SCORERS[:] = [spy]
+    try:
+        with triton_backend.on_cpu():
+            cache = build_cache("snapkv", model, budget=16, observation_window=4)
+            got = _run(model, cache, ids)
+    finally:
+        fused.WINDOW_SCORERS[:] = [kernel]
+    assert calls and all(calls)  # every window scored by the kernel
+    assert [layer.stored_length() for layer in cache.layers] == [
+        layer.stored_length() for layer in base.layers
+    ]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -22,11 +22,12 @@ from __future__ import annotations
 import torch
 
 from kvcompress import kernels
+from kvcompress.core import fused
 from kvcompress.core.executor import Backend, register
 from kvcompress.core.fused import attend_by_parts, decode_attention
 from kvcompress.core.masks import causal
 from kvcompress.core.plan import Call, Plan
-from kvcompress.kernels import fused_pages, fused_quant
+from kvcompress.kernels import fused_pages, fused_quant, triton_backend
 from kvcompress.kernels.triton_backend import Triton
 
 
@@ -184,5 +185,6 @@ def _in_place(key: torch.Tensor) -> bool:
     return key.dtype == torch.float32 and key.stride(-1) == 1
 
 
+fused.WINDOW_SCORERS[:] = [triton_backend.window_scores]  # prefill score windows: keys in their own dtype
 for _backend in (Eager(), Sdpa(), Torch(), Cpu(), Triton()):  # each goes first: triton, cpu, torch, ...
     register(_backend)

@@ -182,6 +182,40 @@ def _pages_kernel(
     _finish(m_i, l_i, acc, pid, rows, offs_d, g, D, part_acc, part_m, part_l, S)
 
 
+@triton.jit
+def _window_logits_kernel(
+    Q, K, VALID, LOGITS,
+    H_kv, T, D, g, n, S, per_split, scale,
+    sq_b, sq_h, sq_n, sk_b, sk_h, sk_t, sm_b, sm_h,
+    HAS_VALID: tl.constexpr, R: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Scaled logits (B, H, n, T) float32 of a step's last ``n`` queries (row ``r`` of a program: query head
+    ``r // n`` of the group, window query ``r % n`` at key position ``T - n + r % n``), causal, -inf where
+    not attended."""
+    pid = tl.program_id(0)
+    bh, s = pid // S, pid % S
+    b, h = bh // H_kv, bh % H_kv
+    rows, offs_d = tl.arange(0, R), tl.arange(0, BD)
+    head, i = h * g + rows // n, rows % n
+    row_ok = rows < g * n
+    d_ok = offs_d < D
+    q = tl.load(Q + b * sq_b + head[:, None] * sq_h + i[:, None] * sq_n + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    start = s * per_split
+    stop = tl.minimum(start + per_split, T)
+    for t0 in range(start, stop, BT):
+        offs_t = t0 + tl.arange(0, BT)
+        t_ok = offs_t < stop
+        k = tl.load(K + b * sk_b + h * sk_h + offs_t[:, None] * sk_t + offs_d[None, :],
+                    mask=t_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        logits = _logits(q, k, scale, PREC)  # (R, BT)
+        ok = t_ok[None, :] & (offs_t[None, :] <= (T - n + i)[:, None])
+        if HAS_VALID:
+            ok = ok & (tl.load(VALID + b * sm_b + h * sm_h + offs_t, mask=t_ok, other=0) != 0)[None, :]
+        ptr = LOGITS + ((b * H_kv * g + head) * n + i)[:, None] * T + offs_t[None, :]
+        tl.store(ptr, tl.where(ok, logits, float("-inf")), mask=row_ok[:, None] & t_ok[None, :])
+
+
 # -- launching ------------------------------------------------------------------------------
 
 
@@ -214,6 +248,13 @@ def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
+def _mask_strides(vm: torch.Tensor | None) -> tuple[int, int]:
+    """Row and head strides of a validity mask (B or 1, 1 or H_kv, T), 0 along a broadcast dimension."""
+    if vm is None:
+        return 0, 0
+    return (vm.stride(0) if vm.shape[0] > 1 else 0), (vm.stride(1) if vm.shape[1] > 1 else 0)
+
+
 def _unit(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -228,11 +269,7 @@ def dense_partials(query, key, value, scaling: float, valid=None, logits=None):
     s, per = _splits(t, b * h_kv, BLOCK_T)
     parts = _partials(b, h, s, d, q.device)
     vm = valid if valid is None else _unit(valid.to(torch.int8))
-    vs = (
-        (0, 0)
-        if vm is None
-        else (vm.stride(0) if vm.shape[0] > 1 else 0, vm.stride(1) if vm.shape[1] > 1 else 0)
-    )
+    vs = _mask_strides(vm)
     if t:
         _dense_kernel[(b * h_kv * s,)](
             q, key, value, vm if vm is not None else q, logits if logits is not None else q, *parts,
@@ -325,3 +362,28 @@ def kivi(query, keys, values, key_res, value_res, scaling: float, bits: int, gro
 def pages_attention(query, key, value, pages, block: int, total: int, scaling: float):
     """Decode attention (B, 1, H, D) over the chosen pages, read in place."""
     return combine(pages_partials(query, key, value, pages, block, total, scaling))[0].to(query.dtype)
+
+
+def window_scores(query, key, scaling: float, valid=None) -> torch.Tensor:
+    """``kvcompress.core.fused.window_scores`` from one pass over the keys in their own dtype: the last
+    ``w`` queries (B, H, w, D) over key (B, H_kv, T, D), ``valid`` (B, 1 or H_kv, T) or None. Returns
+    (B, H_kv, w, T) float32 probabilities averaged per KV group, padding keys and padding queries 0."""
+    b, h, w, d = query.shape
+    key = _unit(key)
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    h_kv, t = key.shape[1], key.shape[2]
+    g = h // h_kv
+    logits = torch.empty(b, h, w, t, dtype=torch.float32, device=query.device)
+    s, per = _splits(t, b * h_kv, BLOCK_T)
+    vm = None if valid is None else _unit(valid.to(torch.int8))
+    vs = _mask_strides(vm)
+    if t:
+        _window_logits_kernel[(b * h_kv * s,)](
+            query, key, vm if vm is not None else query, logits,
+            h_kv, t, d, g, w, s, per, scaling,
+            query.stride(0), query.stride(1), query.stride(2), *key.stride()[:3], *vs,
+            HAS_VALID=vm is not None, R=max(MIN_ROWS, triton.next_power_of_2(g * w)),
+            BD=triton.next_power_of_2(d), BT=BLOCK_T, PREC=_precision(key),
+        )  # fmt: skip
+    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # fully masked rows (padding queries) become 0
+    return probs.view(b, h_kv, g, w, t).mean(dim=2)

@@ -101,3 +101,15 @@ class Triton(Backend):
                 q, tuple(r.keys), tuple(r.values), r.key_res, r.value_res, s, r.bits, r.group
             ), None
         return ta.pages_attention(q, r.key, r.value, r.pages, r.block, r.total, s), None
+
+
+def window_scores(query, key, scaling: float, valid=None):
+    """``fused.window_scores`` in Triton where this backend would serve the tensors, else None."""
+    cuda, cpu = query.device.type == "cuda", query.device.type == "cpu" and _STATE["cpu"]
+    if available() or not (cuda or cpu):
+        return None
+    if valid is not None and (valid.dim() != 3 or valid.shape[1] not in (1, key.shape[1])):
+        return None
+    from kvcompress.kernels import triton_attention as ta
+
+    return ta.window_scores(query, key, scaling, valid)
