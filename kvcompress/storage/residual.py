@@ -11,9 +11,10 @@ A codec that needs each token's absolute position (pre-RoPE keys) sets ``needs_p
 keeps ``positions`` (B, H_kv, T) int32 aligned with the stored tokens (the model's ``position_ids``, or
 consecutive positions when none are given), moved with every eviction and counted in ``tensors()``.
 
-Eviction (``keep``) with a per-token codec gathers encoded rows as they are. The kept tokens split
-between the two regions by count alone (the window keeps the newest ``min(Tr, k)`` of the ``k`` kept), so
-no eviction reads a value back to the host and every row of a batch keeps the same layout: a kept residual
+Eviction (``keep``) with a per-token codec gathers encoded rows as they are. The ``k`` kept tokens split
+between the two regions by count alone, as a store given only them would hold them (``flush_count(k)``
+encoded, the rest in the window), so no eviction reads a value back to the host, every row of a batch keeps
+the same layout, and the bytes are those of ``k`` tokens: a kept residual
 token that lands in the encoded region is encoded then (once), a kept encoded token that lands in the
 window (residual tokens were evicted) is decoded into it (its reconstruction, what attention read
 already) and encoded again when it leaves the window.
@@ -156,14 +157,16 @@ class ResidualStore(Store):
         self.encoded[kind] = _rebuild(new, joined)
 
     def keep(self, idx) -> None:
-        """Keep tokens ``idx`` (B, 1 or H_kv, k) ascending. The residual window keeps the newest
-        ``min(Tr, k)`` kept tokens and the encoded region the rest: both lengths follow from ``k`` alone,
-        so no value is read back to the host. A kept residual token that falls in the encoded region is
-        encoded now (once); a kept encoded token that falls in the window (residual tokens were evicted)
-        is decoded into it: its reconstruction, the values attention read already."""
-        te, tr, k = self.encoded_length, self.residual_length, idx.shape[-1]
-        n_res = min(tr, k)
-        n_enc = k - n_res
+        """Keep tokens ``idx`` (B, 1 or H_kv, k) ascending, laid out (once encoding began) as a store that had
+        only ever been given these ``k`` tokens: the first ``flush_count(k)`` encoded, the rest in the
+        window. Both lengths follow from ``k`` alone, so no value is read back to the host, and the bytes are
+        what the memory model predicts for ``k`` tokens. A kept residual token that falls in the encoded
+        region is encoded now (once); a kept encoded token that falls in the window (residual tokens were
+        evicted) is decoded into it: its reconstruction, the values attention read already."""
+        te, k = self.encoded_length, idx.shape[-1]
+        # nothing encoded yet: all stay exact, and the layer's flush encodes them when it may (a prompt that
+        # a prefill-time selector may still evict stays exact until then)
+        n_enc = 0 if te == 0 else max(0, min(k, self.flush_count(k)))
         if self.positions is not None:
             self.positions = self.positions.gather(-1, idx.expand(*self.positions.shape[:2], -1))
         for kind in self.kinds:
