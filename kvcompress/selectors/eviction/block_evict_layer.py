@@ -29,7 +29,10 @@ class BlockEvictLayer(EvictionLayer):
     a decode step reads nothing back from the device (a padded forward reads its new tokens' counts once)."""
 
     per_row = (*EvictionLayer.per_row, "block_scores", "n_real", "n_blocks")
-    rows: tuple[tuple[int, int, int], ...] = ()
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rows: tuple[tuple[int, int, int], ...] = ()  # per row: real tokens, blocks, real tokens stored
 
     def stats(self) -> dict:
         blocks = max((r[1] for r in self.rows), default=0)
