@@ -306,3 +306,31 @@ def test_a_read_ratio_beyond_the_device_lru_is_flagged_in_stats():
         stream_logits(model, IDS, cache, 16)
         flagged.append(tier_summary(cache.stats())["read_ratio_capped"])
     assert flagged == [True, False]
+
+
+def test_prefetching_the_next_layers_pages_changes_no_logit_and_saves_its_fetches():
+    """``prefetch: on`` copies the pages each layer reads into the next layer's LRU in the same read-back:
+    the logits are bit-identical, later layers find more of their pages already there, and a decode step
+    still reads back one small tensor per layer-step."""
+    from kvcompress.metrics.host_syncs import HostSyncs
+
+    model = make_tiny("llama")
+    runs = {}
+    for mode in ("off", "on"):
+        cache = build_cache(tiered(lru_pages=4, prefetch=mode), model)
+        with torch.inference_mode():
+            logits = stream_logits(model, IDS[:, :56], cache, 16)
+            nxt = logits[:, -1:].argmax(-1)
+            with HostSyncs() as syncs:
+                for _ in range(4):
+                    nxt = model(nxt, cache=cache).logits[:, -1:].argmax(-1)
+        stats = [layer.store.stats() for layer in cache.layers]
+        runs[mode] = (logits, stats, syncs.in_layers / (4 * len(cache.layers)))
+    (off, stats_off, _), (on, stats_on, per_step) = runs["off"], runs["on"]
+    assert torch.equal(on, off)
+    assert stats_on[0]["pages_prefetched"] == 0 and all(s["pages_prefetched"] > 0 for s in stats_on[1:])
+    assert all(s["pages_prefetched"] == 0 for s in stats_off)
+    later_on = sum(s["lru_hits"] for s in stats_on[1:])
+    later_off = sum(s["lru_hits"] for s in stats_off[1:])
+    assert later_on > later_off, (later_on, later_off)
+    assert per_step <= 1.0

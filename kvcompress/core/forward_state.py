@@ -19,7 +19,7 @@ class ForwardState:
     """One forward's padding (``attention_mask`` (B, T) with 0 for padding, or None when every token is
     real) and the layers whose ``update`` ran and whose attention has not run yet."""
 
-    def __init__(self, attention_mask: torch.Tensor | None = None):
+    def __init__(self, attention_mask: torch.Tensor | None = None, cache=None):
         if attention_mask is not None and (
             not isinstance(attention_mask, torch.Tensor) or attention_mask.ndim != 2
         ):
@@ -34,6 +34,7 @@ class ForwardState:
                 "ignored, so it is refused"
             )
         self.padding = attention_mask
+        self.cache = cache  # the cache this forward runs with (a layer may look at the next one)
         self._valid: dict = {}  # (q, device) -> validity of the forward's last q tokens, computed once
         self._pending: dict[int, object] = {}
 
@@ -77,4 +78,4 @@ def pre_hook(module, args, kwargs):
     mask = kwargs.get("attention_mask")
     if mask is None and len(args) > 1 and isinstance(args[1], torch.Tensor):
         mask = args[1]  # model(input_ids, attention_mask, ...) positionally
-    return args, {**kwargs, KEY: ForwardState(mask)}
+    return args, {**kwargs, KEY: ForwardState(mask, cache)}

@@ -14,7 +14,9 @@ import torch
 
 # Structure rebuilt by build_cache (policy, shapes, configs), buffer bookkeeping, and transient views;
 # rope comes from the model, probe/read_pos are a fidelity probe's (kvcompress.metrics.fidelity).
-SKIP = frozenset({"policy", "spec", "store", "config", "slots", "_view", "rope", "probe", "read_pos"})
+SKIP = frozenset(
+    {"policy", "spec", "store", "config", "slots", "_view", "rope", "probe", "read_pos", "_ahead"}
+)
 LAZY = frozenset({"device", "dtype"})  # set by a layer's first update (CacheLayerMixin.lazy_initialization)
 
 

@@ -28,6 +28,18 @@ class TieredLayer(PolicyLayer):
         super().__init__(policy, layer_idx, spec, store)
         self.prefill_chunk = policy.prefill_chunk  # read by kvcompress.runtime.context_pass.forward_prompt
 
+    def update(self, key_states, value_states, *args, **kwargs):
+        """As every layer; and notes, for this step's attention, the next layer's store when it is a tiered
+        layer's too (its LRU receives the pages this layer fetches: a prefetch)."""
+        self._ahead = self._next_store(kwargs.get("forward"))
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def _next_store(self, state):
+        cache = getattr(state, "cache", None)
+        layers = getattr(cache, "layers", ())
+        nxt = layers[self.layer_idx + 1] if self.layer_idx + 1 < len(layers) else None
+        return nxt.store if isinstance(nxt, TieredLayer) and self.store.prefetches else None
+
     def attend(self, query, key, value):
         """Pages (B, H_kv, k * block_size, D) then hot tokens, and a boolean mask (B, H_kv, q, T), or no mask
         for an unpadded decode step (every slot read is real, and SDPA keeps GQA without a mask)."""
@@ -47,8 +59,9 @@ class TieredLayer(PolicyLayer):
         # the page slots fetched (every head reads as many without padding; with it, unused slots count too)
         self.count_read(total if pages is None else total + pages.shape[-1] * bs)
         if pages is not None:
-            page_k, page_v = self.store.fetch(pages)  # (B, H_kv, k * bs, D)
+            page_k, page_v = self.store.fetch(pages, getattr(self, "_ahead", None))  # (B, H_kv, k * bs, D)
             key, value = torch.cat([page_k, key], dim=2), torch.cat([page_v, value], dim=2)
+        self._ahead = None
         if ok is None:
             return key, value, None
         return key, value, ok | ~ok.any(-1, keepdim=True)  # padding queries: no all-masked row (NaN)

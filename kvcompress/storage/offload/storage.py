@@ -57,7 +57,7 @@ class OffloadStore(Store):
     def _clear(self) -> None:
         self.keys = self.values = self.page_min = self.page_max = self.lru = None
         self.cold_pages = 0
-        self.counters = {"tick": 0, "lookups": 0, "hits": 0, "pages_fetched": 0}
+        self.counters = {"tick": 0, "lookups": 0, "hits": 0, "pages_fetched": 0, "pages_prefetched": 0}
         if self.cold is not None:
             self.cold.clear()
 
@@ -116,21 +116,46 @@ class OffloadStore(Store):
             return self.page_min, self.page_max
         return self.page_min.to(dtype), self.page_max.to(dtype)
 
-    def fetch(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def prefetches(self) -> bool:
+        """Whether this store prefetches the next layer's likely pages (``prefetch``; auto: on CUDA)."""
+        mode = self.config.prefetch
+        return mode == "on" or (mode == "auto" and self.keys is not None and self.keys.is_cuda)
+
+    def fetch(
+        self, pages: torch.Tensor, ahead: OffloadStore | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (B, H_kv, k * block_size, D) of cold ``pages`` (B, H_kv, k) (-1: unspecified rows),
-        through the device LRU (hits stay, misses are copied from the cold tier)."""
+        through the device LRU (hits stay, misses are copied from the cold tier). ``ahead``: the next layer's
+        store, whose LRU receives the same pages now (prefetched, in the same read)."""
+        self._grow_lru()
+        nxt = None
+        if (
+            ahead is not None
+            and self.prefetches
+            and ahead.cold_pages == self.cold_pages
+            and ahead.keys is not None
+        ):
+            ahead._grow_lru()
+            if ahead.lru.page.shape == self.lru.page.shape:
+                nxt = (ahead.lru, ahead._from_cold, ahead.counters)
+        rows = page_lru.lookup(self.lru, pages, self._from_cold, self.counters, nxt)  # (B, H_kv, k, 2*bs*D)
         b, h, _, d = self.keys.shape
         bs = self.config.block_size
-        want = min(self.config.lru_pages, self.cold_pages)
-        self.lru = page_lru.grow(self.lru, b, h, want, 2 * bs * d, self.keys.dtype, self.keys.device)
-
-        def from_cold(triples, slots):  # host (b, h, page) and slot arrays: the LRU's rows and page ids
-            bi, hi, page = triples
-            self.cold.fetch_into((page * b + bi) * h + hi, slots, page, self.lru.rows, self.lru.page.view(-1))
-
-        rows = page_lru.lookup(self.lru, pages, from_cold, self.counters)  # (B, H_kv, k, 2 * bs * D)
         kv = rows.view(b, h, -1, 2, bs, d)
         return kv[:, :, :, 0].reshape(b, h, -1, d), kv[:, :, :, 1].reshape(b, h, -1, d)
+
+    def _grow_lru(self) -> None:
+        b, h, _, d = self.keys.shape
+        want = min(self.config.lru_pages, self.cold_pages)
+        row = 2 * self.config.block_size * d
+        self.lru = page_lru.grow(self.lru, b, h, want, row, self.keys.dtype, self.keys.device)
+
+    def _from_cold(self, triples, slots) -> None:
+        """Host (b, h, page) and slot arrays: the pages' rows and ids into the LRU."""
+        b, h = self.keys.shape[:2]
+        bi, hi, page = triples
+        self.cold.fetch_into((page * b + bi) * h + hi, slots, page, self.lru.rows, self.lru.page.view(-1))
 
     def reorder(self, beam_idx) -> None:
         reorder_all(self, ("keys", "values", "page_min", "page_max"), beam_idx)
@@ -163,6 +188,7 @@ class OffloadStore(Store):
             "cold_pages": self.cold_pages,
             "fetch_steps": c["tick"],
             "pages_fetched": c["pages_fetched"],
+            "pages_prefetched": c.get("pages_prefetched", 0),
             "bytes_fetched": c["pages_fetched"] * page_bytes,
             "pages_fetched_per_step": c["pages_fetched"] / steps,
             "bytes_fetched_per_step": c["pages_fetched"] * page_bytes / steps,
@@ -189,6 +215,7 @@ class OffloadStorage(Storage):
     tier: str = Choice("host", TIERS)
     dir: str | None = None
     summary_dtype: str = Choice("model", tuple(SUMMARY_DTYPES))
+    prefetch: str = Choice("auto", ("auto", "on", "off"))
 
     def __post_init__(self):
         super().__post_init__()
