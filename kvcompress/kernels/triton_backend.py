@@ -11,6 +11,7 @@ the GPU kernels on a machine without a GPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 
@@ -37,15 +38,16 @@ def on_cpu():
         _STATE["cpu"] = saved
 
 
+@functools.cache
 def available() -> str | None:
-    """None where triton imports, else why not."""
+    """None where triton imports, else why not (looked up once)."""
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed (pip install 'kvcompress[test]' or triton)"
     return None
 
 
 def _valid(mask, kv_heads: int, heads: int):
-    """A boolean decode mask (B or 1, 1, H_kv or H, 1, T) as key validity (B or 1, 1 or H_kv, T), or why
+    """A boolean decode mask (B or 1, 1 or H_kv or H, 1, T) as key validity (B or 1, 1 or H_kv, T), or why
     not. A mask over the H query heads is a layer's per-KV-head mask repeated over each group
     (``layer_attention.expand_heads``): one head of each group is read."""
     if mask is None:
@@ -66,11 +68,11 @@ class Triton(Backend):
 
     def missing(self, plan: Plan, call: Call) -> str | None:
         q = call.query
+        if q.device.type != "cuda" and not (q.device.type == "cpu" and _STATE["cpu"]):
+            return f"CUDA tensors only, not {q.device.type} (a CPU only under the interpreter, on_cpu())"
         why = available()
         if why:
             return why
-        if q.device.type != "cuda" and not (q.device.type == "cpu" and _STATE["cpu"]):
-            return f"CUDA tensors only, not {q.device.type} (a CPU only under the interpreter, on_cpu())"
         if not call.plain:
             return "plain softmax only (the model adds soft-capping, sinks or dropout)"
         if q.shape[2] != 1:
@@ -106,7 +108,7 @@ class Triton(Backend):
 def window_scores(query, key, scaling: float, valid=None):
     """``fused.window_scores`` in Triton where this backend would serve the tensors, else None."""
     cuda, cpu = query.device.type == "cuda", query.device.type == "cpu" and _STATE["cpu"]
-    if available() or not (cuda or cpu):
+    if not (cuda or cpu) or available():
         return None
     if valid is not None and (valid.dim() != 3 or valid.shape[1] not in (1, key.shape[1])):
         return None
