@@ -6,6 +6,7 @@ over ``eval`` over ``metrics`` and ``memory_model``, over ``persist``, ``runtime
 """
 
 import kvcompress.kernels.backends  # noqa: F401  (registers the attention backends with the executor)
+from kvcompress.core.attention import attached, detach
 from kvcompress.core.cache import KVCache, build_cache, known_policies, make_policy
 from kvcompress.persist import load_cache
 from kvcompress.persist import save as save_cache
@@ -16,8 +17,10 @@ from kvcompress.runtime.context_pass import compress_context
 __version__ = "0.1.0"
 __all__ = [
     "KVCache",
+    "attached",
     "build_cache",
     "compress_context",
+    "detach",
     "known_policies",
     "load_cache",
     "load_model",

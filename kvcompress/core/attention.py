@@ -9,6 +9,8 @@ matching mask function must be registered too: without it transformers silently 
 
 from __future__ import annotations
 
+import contextlib
+
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
@@ -99,6 +101,40 @@ def uninstall(model) -> None:
     setattr(model, HOOKS, None)
     if model.config._attn_implementation == NAME:
         model.set_attn_implementation(backend_of(model.config))
+
+
+def detach(model) -> None:
+    """Undo every change ``install`` (and so ``build_cache``) made to ``model``: its own attention
+    implementation again, no hooks, no kvcompress entry in its config. Caches built for it stop working
+    with it."""
+    uninstall(model)
+    if hasattr(model, HOOKS):
+        delattr(model, HOOKS)
+    if "kvcompress_backend" in vars(model.config):
+        del model.config.kvcompress_backend
+
+
+@contextlib.contextmanager
+def attached(model):
+    """``with attached(model): ...`` routes ``model``'s attention through kvcompress inside the block only
+    (as kvpress's ``with press(model)``): afterwards its attention implementation, config and hooks are
+    exactly as they were, whatever happened inside. A model already installed stays installed."""
+    implementation = model.config._attn_implementation
+    config_had = "kvcompress_backend" in vars(model.config)
+    backend = getattr(model.config, "kvcompress_backend", None)
+    hooked = bool(getattr(model, HOOKS, None))
+    install(model)
+    try:
+        yield model
+    finally:
+        if hooked:  # it was installed before the block: as it was
+            model.config.kvcompress_backend = backend
+        else:
+            detach(model)
+            if config_had:
+                model.config.kvcompress_backend = backend
+        if model.config._attn_implementation != implementation:
+            model.set_attn_implementation(implementation)
 
 
 def set_backend(model, backend: str) -> None:
