@@ -171,6 +171,30 @@ class PolicyLayer(LayerAttention, ContextPassMode, CacheLayerMixin):
         self.store.reorder(beam_idx)
         reorder_all(self, ("valid", "pos", "left_pad", *self.per_token, *self.per_row), beam_idx)
 
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row ``repeats`` times in a row (``num_return_sequences``, contrastive search): every state
+        moves as in a beam reorder."""
+        b = self._rows()
+        if b:
+            self._take_rows(torch.arange(b, device=self.device).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Only the rows ``indices`` (their order), every state moving as in a beam reorder."""
+        if self._rows():
+            idx = torch.as_tensor(indices, device=self.device)
+            self._take_rows(idx.nonzero().flatten() if idx.dtype == torch.bool else idx.long())
+
+    def _rows(self) -> int:
+        """Rows stored (0 before the first update)."""
+        held = [t for t in self.store.tensors() if isinstance(t, torch.Tensor) and t.dim() > 0]
+        return held[0].shape[0] if held and self.is_initialized else 0
+
+    def _take_rows(self, idx: torch.Tensor) -> None:
+        why = self.store.fixed_rows
+        if why:
+            raise ValueError(f"{self.policy.name} over storage {self.store.config.name}: {why}")
+        self.reorder_cache(idx)
+
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot roll back tokens (assisted decoding)")
 

@@ -95,6 +95,9 @@ class Store:
     hold one kind only (``kinds``): it then ignores the other in ``append`` and reads it as None.
     """
 
+    # why the batch cannot change size (batch_repeat_interleave / batch_select_indices), or None
+    fixed_rows: str | None = None
+
     def __init__(self, config: Storage, layer_idx: int, spec: ModelSpec, kinds: tuple[str, ...] = KINDS):
         self.config, self.layer_idx, self.spec, self.kinds = config, layer_idx, spec, tuple(kinds)
 

@@ -48,6 +48,12 @@ class OffloadStore(Store):
     """Hot tail ``keys``/``values`` (B, H_kv, W, D), cold pages in ``cold``, their key bounds
     ``page_min``/``page_max`` (B, H_kv, P, D) and the fetched pages ``lru`` on the device."""
 
+    fixed_rows = (
+        "the cold tier and the device LRU lay pages out per batch row, so the batch cannot change size "
+        "(num_return_sequences > 1 or contrastive search); use num_beams (a reorder of the same rows), or "
+        "another storage"
+    )
+
     def __init__(self, config, layer_idx, spec, kinds=KINDS):
         super().__init__(config, layer_idx, spec, kinds)
         self.slots = buffers.Slots()
