@@ -163,25 +163,27 @@ class ResidualStore(Store):
         what the memory model predicts for ``k`` tokens. A kept residual token that falls in the encoded
         region is encoded now (once); a kept encoded token that falls in the window (residual tokens were
         evicted) is decoded into it: its reconstruction, the values attention read already."""
-        te, k = self.encoded_length, idx.shape[-1]
+        te, tr, k = self.encoded_length, self.residual_length, idx.shape[-1]
         # nothing encoded yet: all stay exact, and the layer's flush encodes them when it may (a prompt that
         # a prefill-time selector may still evict stays exact until then)
         n_enc = 0 if te == 0 else max(0, min(k, self.flush_count(k)))
+        n_res = k - n_enc
+        # at most tr - n_res kept residual tokens land in the encoded region (its last positions), at most
+        # te - n_enc kept encoded ones in the window (its first): only those are encoded or decoded
+        late, early = max(0, min(n_enc, tr - n_res)), max(0, min(n_res, te - n_enc))
         if self.positions is not None:
             self.positions = self.positions.gather(-1, idx.expand(*self.positions.shape[:2], -1))
         for kind in self.kinds:
             res = self.residual[kind]
-            kept = self._take_residual(kind, idx[..., n_enc:], te, res)  # reads the encoded parts first
-            self.encoded[kind] = self._take_encoded(kind, idx[..., :n_enc], te, res) if n_enc else None
+            kept = self._take_residual(kind, idx[..., n_enc:], te, res, early)  # reads the encoded parts
+            self.encoded[kind] = self._take_encoded(kind, idx[..., :n_enc], te, res, late) if n_enc else None
             self.residual[kind] = kept
 
-    def _take_encoded(self, kind: str, head: torch.Tensor, te: int, res: torch.Tensor) -> tuple:
+    def _take_encoded(self, kind: str, head: torch.Tensor, te: int, res: torch.Tensor, m: int) -> tuple:
         """Encoded rows ``head`` (B, 1 or H, n); positions past ``te`` are residual tokens, encoded now. Only
-        the last ``min(n, Tr)`` positions can be such (there are Tr residual tokens), so only they are
-        encoded, whatever the selection."""
+        the last ``m`` positions can be such (``keep``'s bound), so only they are encoded."""
         parts = self.encoded[kind]
         old = [_gather(p, head.clamp(max=te - 1)) for p in parts]
-        m = min(head.shape[-1], res.shape[2])
         if m == 0:
             return _rebuild(parts, old)
         last, n = head[..., -m:], head.shape[-1]  # (B, 1 or H, m)
@@ -195,17 +197,23 @@ class ResidualStore(Store):
             tail.copy_(torch.where(mask.view(*mask.shape, *([1] * (o.dim() - 3))), f, tail))
         return _rebuild(parts, old)
 
-    def _take_residual(self, kind: str, tail: torch.Tensor, te: int, res: torch.Tensor) -> torch.Tensor:
+    def _take_residual(
+        self, kind: str, tail: torch.Tensor, te: int, res: torch.Tensor, d: int
+    ) -> torch.Tensor:
         """The window after eviction: kept tokens ``tail`` (B, 1 or H, n); those before ``te`` are encoded
-        tokens, decoded here (their reconstruction)."""
-        kept = gather_tokens(res, (tail - te).clamp(min=0).expand(*res.shape[:2], -1))
-        if te == 0 or not tail.shape[-1]:
+        tokens, decoded here (their reconstruction). Only the first ``d`` positions can be such
+        (``keep``'s bound), so only they are decoded."""
+        kept = gather_tokens(res, (tail - te).clamp(min=0).expand(*res.shape[:2], -1))  # (B, H, n, D)
+        if d == 0:
             return kept
-        parts = self.encoded[kind]
-        rows = [_gather(p, tail.clamp(max=te - 1)) for p in parts]
-        pos = None if self.positions is None else self.positions[..., -tail.shape[-1] :]
-        decoded = self.decode(kind, _rebuild(parts, rows), torch.empty_like(kept), pos)
-        return torch.where((tail < te)[..., None], decoded, kept)  # (B, H, n, D)
+        first, parts = tail[..., :d], self.encoded[kind]
+        rows = [_gather(p, first.clamp(max=te - 1)) for p in parts]
+        start = self.positions.shape[-1] - tail.shape[-1] if self.positions is not None else 0
+        decoded = self.decode(kind, _rebuild(parts, rows), torch.empty_like(kept[:, :, :d]),
+                              self._positions(start, start + d))  # fmt: skip
+        head = kept[:, :, :d]
+        head.copy_(torch.where((first < te)[..., None], decoded, head))
+        return kept
 
     def reorder(self, beam_idx) -> None:
         for kind in self.kinds:
