@@ -50,6 +50,30 @@ def _online(logits, v, m_i, l_i, acc, PREC: tl.constexpr):
 
 
 @triton.jit
+def _program(pid, S, H_kv):
+    """The (row, KV head, split) of program ``pid`` of ``B * H_kv * S``."""
+    bh = pid // S
+    return bh // H_kv, bh % H_kv, pid % S
+
+
+@triton.jit
+def _group_start(Q, base, sq_h, h, g, D, G: tl.constexpr, BD: tl.constexpr):
+    """KV head ``h``'s group of ``g`` decode queries as rows (G, BD) (rows past ``g`` are 0), their row and
+    channel offsets, and the online softmax's start: max, sum (G,) and weighted values (G, BD)."""
+    rows, offs_d = tl.arange(0, G), tl.arange(0, BD)
+    ok = (rows[:, None] < g) & (offs_d[None, :] < D)
+    q = tl.load(Q + base + (h * g + rows)[:, None] * sq_h + offs_d[None, :], mask=ok, other=0.0)
+    m_i, l_i = tl.full((G,), -1.0e30, tl.float32), tl.zeros((G,), tl.float32)
+    return q, rows, offs_d, m_i, l_i, tl.zeros((G, BD), tl.float32)
+
+
+@triton.jit
+def _tile(PTR, base, offs_t, st, offs_d, ok):
+    """Rows ``offs_t`` (stride ``st``) of a (T, D) matrix at ``base``, 0 where not ``ok``."""
+    return tl.load(PTR + base + offs_t[:, None] * st + offs_d[None, :], mask=ok, other=0.0)
+
+
+@triton.jit
 def _finish(m_i, l_i, acc, pid, rows, offs_d, g, D, part_acc, part_m, part_l, S):
     """Write a program's partial (max, sum, weighted values) at split ``pid`` (B * H_kv, S) of its rows."""
     bh, s = pid // S, pid % S
@@ -70,23 +94,17 @@ def _dense_kernel(
     G: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    bh, s = pid // S, pid % S
-    b, h = bh // H_kv, bh % H_kv
-    rows, offs_d = tl.arange(0, G), tl.arange(0, BD)
+    b, h, s = _program(pid, S, H_kv)
+    q, rows, offs_d, m_i, l_i, acc = _group_start(Q, b * sq_b, sq_h, h, g, D, G, BD)
     d_ok = offs_d < D
-    q = tl.load(Q + b * sq_b + (h * g + rows)[:, None] * sq_h + offs_d[None, :],
-                mask=(rows[:, None] < g) & d_ok[None, :], other=0.0)  # fmt: skip
-    m_i = tl.full((G,), -1.0e30, tl.float32)
-    l_i = tl.zeros((G,), tl.float32)
-    acc = tl.zeros((G, BD), tl.float32)
     start = s * per_split
     stop = tl.minimum(start + per_split, T)
     for t0 in range(start, stop, BT):
         offs_t = t0 + tl.arange(0, BT)
         t_ok = offs_t < stop
         kv_ok = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + b * sk_b + h * sk_h + offs_t[:, None] * sk_t + offs_d[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(V + b * sv_b + h * sv_h + offs_t[:, None] * sv_t + offs_d[None, :], mask=kv_ok, other=0.0)
+        k = _tile(K, b * sk_b + h * sk_h, offs_t, sk_t, offs_d, kv_ok)
+        v = _tile(V, b * sv_b + h * sv_h, offs_t, sv_t, offs_d, kv_ok)
         logits = _logits(q, k, scale, PREC)  # (G, BT)
         ok = t_ok
         if HAS_VALID:
@@ -125,15 +143,9 @@ def _kivi_kernel(
     G: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    bh, s = pid // S, pid % S
-    b, h = bh // H_kv, bh % H_kv
-    rows, offs_d = tl.arange(0, G), tl.arange(0, BD)
+    b, h, s = _program(pid, S, H_kv)
+    q, rows, offs_d, m_i, l_i, acc = _group_start(Q, b * sq_b, sq_h, h, g, D, G, BD)
     d_ok = offs_d < D
-    q = tl.load(Q + b * sq_b + (h * g + rows)[:, None] * sq_h + offs_d[None, :],
-                mask=(rows[:, None] < g) & d_ok[None, :], other=0.0)  # fmt: skip
-    m_i = tl.full((G,), -1.0e30, tl.float32)
-    l_i = tl.zeros((G,), tl.float32)
-    acc = tl.zeros((G, BD), tl.float32)
     start = s * per_split
     stop = tl.minimum(start + per_split, T)
     for t0 in range(start, stop, BT):
@@ -158,15 +170,10 @@ def _pages_kernel(
     G: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    bh, s = pid // S, pid % S
-    b, h = bh // H_kv, bh % H_kv
-    rows, offs_d, offs_p = tl.arange(0, G), tl.arange(0, BD), tl.arange(0, BP)
+    b, h, s = _program(pid, S, H_kv)
+    q, rows, offs_d, m_i, l_i, acc = _group_start(Q, b * sq_b, sq_h, h, g, D, G, BD)
     d_ok = offs_d < D
-    q = tl.load(Q + b * sq_b + (h * g + rows)[:, None] * sq_h + offs_d[None, :],
-                mask=(rows[:, None] < g) & d_ok[None, :], other=0.0)  # fmt: skip
-    m_i = tl.full((G,), -1.0e30, tl.float32)
-    l_i = tl.zeros((G,), tl.float32)
-    acc = tl.zeros((G, BD), tl.float32)
+    offs_p = tl.arange(0, BP)
     start = s * per_split
     stop = tl.minimum(start + per_split, P)
     for i in range(start, stop):
@@ -174,8 +181,8 @@ def _pages_kernel(
         offs_t = page * block + offs_p
         t_ok = (offs_p < block) & (offs_t >= 0) & (offs_t < total)  # page -1 (an unused slot): none
         ok = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + b * sk_b + h * sk_h + offs_t[:, None] * sk_t + offs_d[None, :], mask=ok, other=0.0)
-        v = tl.load(V + b * sv_b + h * sv_h + offs_t[:, None] * sv_t + offs_d[None, :], mask=ok, other=0.0)
+        k = _tile(K, b * sk_b + h * sk_h, offs_t, sk_t, offs_d, ok)
+        v = _tile(V, b * sv_b + h * sv_h, offs_t, sv_t, offs_d, ok)
         logits = _logits(q, k, scale, PREC)
         logits = tl.where(t_ok[None, :], logits, float("-inf"))
         m_i, l_i, acc = _online(logits, v, m_i, l_i, acc, PREC)
@@ -192,9 +199,7 @@ def _window_logits_kernel(
     """Scaled logits (B, H, n, T) float32 of a step's last ``n`` queries (row ``r`` of a program: query head
     ``r // n`` of the group, window query ``r % n`` at key position ``T - n + r % n``), causal, -inf where
     not attended."""
-    pid = tl.program_id(0)
-    bh, s = pid // S, pid % S
-    b, h = bh // H_kv, bh % H_kv
+    b, h, s = _program(tl.program_id(0), S, H_kv)
     rows, offs_d = tl.arange(0, R), tl.arange(0, BD)
     head, i = h * g + rows // n, rows % n
     row_ok = rows < g * n
@@ -206,8 +211,7 @@ def _window_logits_kernel(
     for t0 in range(start, stop, BT):
         offs_t = t0 + tl.arange(0, BT)
         t_ok = offs_t < stop
-        k = tl.load(K + b * sk_b + h * sk_h + offs_t[:, None] * sk_t + offs_d[None, :],
-                    mask=t_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        k = _tile(K, b * sk_b + h * sk_h, offs_t, sk_t, offs_d, t_ok[:, None] & d_ok[None, :])
         logits = _logits(q, k, scale, PREC)  # (R, BT)
         ok = t_ok[None, :] & (offs_t[None, :] <= (T - n + i)[:, None])
         if HAS_VALID:
