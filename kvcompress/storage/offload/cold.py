@@ -44,6 +44,9 @@ class ColdPages:
         self.tier, self.folder, self.row, self.dtype, self.device = tier, folder, row, dtype, device
         self.pin = tier == "host" and device.type == "cuda" and torch.cuda.is_available()
         self.staged = device.type == "cuda" and torch.cuda.is_available()  # fetches via pinned staging
+        self._buffers: list = [None, None]  # pinned (rows, indices) staging, used in turn (CUDA only)
+        self._events = [torch.cuda.Event(), torch.cuda.Event()] if self.staged else None
+        self._turn, self._stream = 0, None
         self.data: torch.Tensor | None = None  # (capacity, row)
         self.used = 0  # rows written
 
@@ -108,12 +111,6 @@ class ColdPages:
     def _staging(self, n: int):
         """The next pinned staging buffers (rows (n, row), indices (2, n) int64) and their last upload's
         event."""
-        if not hasattr(self, "_buffers"):
-            self._buffers, self._events, self._turn = (
-                [None, None],
-                [torch.cuda.Event(), torch.cuda.Event()],
-                0,
-            )
         self._turn = turn = 1 - self._turn
         held = self._buffers[turn]
         if held is None or held[0].shape[0] < n:
@@ -124,7 +121,7 @@ class ColdPages:
         return held[0][:n], held[1][:, :n], self._events[turn]
 
     def _copy_stream(self, device):
-        if getattr(self, "_stream", None) is None:
+        if self._stream is None:
             self._stream = torch.cuda.Stream(device)
         return self._stream
 
