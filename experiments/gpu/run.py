@@ -38,8 +38,10 @@ from kvcompress.metrics.compression import attention_backends
 from kvcompress.metrics.host_syncs import HostSyncs
 
 ROOT = Path(__file__).resolve().parents[2]
-LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0)  # fmt: skip
+sys.path.insert(0, str(ROOT / "experiments" / "tiered"))
+from gpu_bench import LLAMA_31_8B  # noqa: E402  (the tiered GPU benchmark's Llama-3.1-8B shape)
+
+LLAMA_8B = {k: v for k, v in LLAMA_31_8B.items() if k != "max_position_embeddings"}  # set per context
 TINY = dict(
     hidden_size=256,
     intermediate_size=512,
