@@ -14,6 +14,15 @@ from kvcompress.resources.data import load_text
 from kvcompress.resources.models import load_model
 from kvcompress.runtime.context_pass import compress_context
 
+
+def pipeline(model, tokenizer, policy="full", chat_template=None, **params):
+    """One context, several questions: compress the context once, answer each from its snapshot
+    (``kvcompress.harness.pipeline``; imported on first use, it pulls in the task helpers)."""
+    from kvcompress.harness.pipeline import pipeline as make
+
+    return make(model, tokenizer, policy, chat_template, **params)
+
+
 __version__ = "0.1.0"
 __all__ = [
     "KVCache",
@@ -26,6 +35,7 @@ __all__ = [
     "load_model",
     "load_text",
     "make_policy",
+    "pipeline",
     "save_cache",
     "__version__",
 ]

@@ -50,6 +50,34 @@ class KVCache(Cache):
         """One dict per layer: tokens seen/stored/evicted, bytes, and policy-specific counters."""
         return [layer.stats() for layer in self.layers]
 
+    @property
+    def is_croppable(self) -> bool:
+        """True when every layer can roll back tokens (``Rollback``). Where one never can, this raises its
+        reason instead of answering False: transformers asks before assisted decoding, and would otherwise
+        fail with a message that names neither the policy nor the cause."""
+        for layer in self.layers:
+            why = layer.never_crops()
+            if why:
+                raise ValueError(
+                    f"policy {self.policy.name!r} cannot roll back tokens (layer {layer.layer_idx}), as "
+                    f"assisted and prompt-lookup decoding need: {why}"
+                )
+        return True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the newest ``-tokens_to_remove`` tokens from every layer, exactly (``core.rollback``), or
+        from none: every layer is asked first, and a refusal names this cache's policy, the layer and why."""
+        n = -tokens_to_remove
+        if n > 0:
+            for layer in self.layers:
+                why = layer.crop_refusal(n) if layer.is_initialized else None
+                if why:
+                    raise ValueError(
+                        f"policy {self.policy.name!r} cannot roll back its newest {n} tokens (layer "
+                        f"{layer.layer_idx}), as assisted and prompt-lookup decoding need: {why}"
+                    )
+        super().crop(tokens_to_remove)
+
     # -- one compressed context, many questions ---------------------------------------------------
     def __deepcopy__(self, memo):
         return fork(self)

@@ -16,16 +16,16 @@ from kvcompress.core.context_mode import ContextPassMode
 from kvcompress.core.fused import window_scores
 from kvcompress.core.layer_attention import LayerAttention
 from kvcompress.core.masks import cat_valid
+from kvcompress.core.rollback import Rollback
 from kvcompress.core.storage import reorder_all
 
 
-class PolicyLayer(LayerAttention, ContextPassMode, CacheLayerMixin):
+class PolicyLayer(LayerAttention, ContextPassMode, Rollback, CacheLayerMixin):
     """Stores every token (the ``full`` selector). Subclasses select in ``compress()`` (after the step's
     tokens are appended) or in ``observe_attention()`` (after attention, when ``wants_scores``)."""
 
     is_sliding = False
     is_compileable = False
-    is_croppable = False
     wants_scores = False
     order_free = False  # True: no decision depends on stored order, so evicting one token may reorder
     needs_positions = False  # track each stored token's absolute position (``pos``) even on full layers
@@ -53,6 +53,8 @@ class PolicyLayer(LayerAttention, ContextPassMode, CacheLayerMixin):
         self.step_tokens = 0  # tokens of the step being stored
         self.in_context_pass, self.pass_valid = False, None  # ContextPassMode
         self.seen = self.evicted = 0
+        # Rollback: the newest tokens stored since the eviction count was ``tail_evicted``
+        self.tail_tokens = self.tail_evicted = 0
         self.tokens_read, self.tokens_visible = 0, 0  # over steps: read by the last query / by the model's
         self.backends_ran: dict[str, int] = {}  # attention backend -> steps it ran (``executor``)
         self.reads_ran: dict[str, int] = {}  # read form (dense, kivi, latent, pages) -> steps
@@ -86,6 +88,9 @@ class PolicyLayer(LayerAttention, ContextPassMode, CacheLayerMixin):
             self.pos = _cat_positions(self.slots, self.pos, self.seen, b, q, key_states.device)
         self.store.append(key_states, value_states, kwargs.get("positions"))  # model's position_ids or None
         self.seen, self.step_tokens = self.seen + q, q
+        if self.evicted != self.tail_evicted:  # an eviction since the tail began: it starts again here
+            self.tail_tokens, self.tail_evicted = 0, self.evicted
+        self.tail_tokens += q
         if self._defers(q):
             self.deferred, self._view = True, (self.stored_length(), None, None)
             return _unread(key_states, self.stored_length()), _unread(value_states, self.stored_length())
@@ -160,6 +165,7 @@ class PolicyLayer(LayerAttention, ContextPassMode, CacheLayerMixin):
         self.store.reset()
         self.valid = self._view = self.pos = self.left_pad = None
         self.seen = self.evicted = 0
+        self.tail_tokens = self.tail_evicted = 0
         self.tokens_read, self.tokens_visible = 0, 0
         self.backends_ran, self.reads_ran = {}, {}
         self.deferred = False
@@ -194,9 +200,6 @@ class PolicyLayer(LayerAttention, ContextPassMode, CacheLayerMixin):
         if why:
             raise ValueError(f"{self.policy.name} over storage {self.store.config.name}: {why}")
         self.reorder_cache(idx)
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError(f"{type(self).__name__} cannot roll back tokens (assisted decoding)")
 
     # -- selection ------------------------------------------------------------------------------
     def on_append(self, key_states: torch.Tensor, new_valid: torch.Tensor | None) -> None:

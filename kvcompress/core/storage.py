@@ -158,6 +158,18 @@ class Store:
         """End of a step: compress what waited in full precision (quantize, project). ``valid``
         (B, 1 or H_kv, T) marks the stored tokens that are padding (False), or None without padding."""
 
+    def crop_refusal(self, n: int) -> str | None:
+        """Why the newest ``n`` tokens cannot be removed exactly (``crop``), or None when they can."""
+        return f"storage {self.config.name} cannot remove tokens"
+
+    def crop_conditions(self) -> list[str]:
+        """When ``crop_refusal`` says None, in words (empty: always)."""
+        return []
+
+    def crop(self, n: int) -> None:
+        """Remove the newest ``n`` tokens as if they had never been appended (after ``crop_refusal``)."""
+        raise NotImplementedError(self.crop_refusal(n))
+
     def reorder(self, beam_idx: torch.Tensor) -> None:
         raise NotImplementedError
 

@@ -29,7 +29,13 @@ SUBCOMMANDS = {"bench": "task=bench", "compare": "task=compare"}
 
 
 def main() -> None:
-    """``kvcompress [bench|compare] [overrides...]``: a subcommand is shorthand for its task override."""
+    """``kvcompress [bench|compare] [overrides...]``: a subcommand is shorthand for its task override;
+    ``kvcompress ask ...`` answers questions on a context file (``harness.ask``, its own options)."""
+    if len(sys.argv) > 1 and sys.argv[1] == "ask":
+        from kvcompress.harness.ask import main as ask
+
+        ask(sys.argv[2:])
+        return
     if len(sys.argv) > 1 and sys.argv[1] in SUBCOMMANDS:
         sys.argv[1] = SUBCOMMANDS[sys.argv[1]]
     _main()

@@ -74,6 +74,15 @@ class DenseStore(Store):
                     x.scatter_(2, slot.expand(b, h, 1)[..., None].expand(b, h, 1, d), newest)
             setattr(self, name, x[:, :, : t - 1])
 
+    def crop_refusal(self, n: int) -> str | None:
+        return None
+
+    def crop(self, n: int) -> None:
+        """A leading slice of each buffer: the freed slots become headroom for the next appends."""
+        t = self.length - n
+        for kind in self.kinds:
+            setattr(self, kind, getattr(self, kind)[:, :, :t])
+
     def reorder(self, beam_idx) -> None:
         reorder_all(self, self.kinds, beam_idx)
         self.slots.clear()

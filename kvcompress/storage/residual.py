@@ -70,6 +70,7 @@ class ResidualStore(Store):
         self.positions: torch.Tensor | None = None
         self.appended = 0  # tokens appended so far: the positions used when the model gives none
         self.slots = Slots()  # growable buffers of the encoded parts
+        self.flushes: list[tuple[int, int, int]] = []  # recent (appended, residual, encoded) per flush (crop)
 
     # -- codec (subclasses) -----------------------------------------------------------------
     def encode(self, kind: str, x: torch.Tensor, valid=None, positions=None) -> tuple:
@@ -131,6 +132,7 @@ class ResidualStore(Store):
 
     def flush(self, valid=None) -> None:
         n = self.flush_count(self.residual_length)
+        self._log_flush(max(n, 0))
         if n <= 0:
             return
         te = self.encoded_length
@@ -140,6 +142,46 @@ class ResidualStore(Store):
             self._extend(kind, self.encode(kind, res[:, :, :n], valid, self._positions(te, te + n)))
             rest = res[:, :, n:]  # a copy (or nothing): the encoded tokens' floats are freed
             self.residual[kind] = rest.clone() if rest.shape[2] else res.new_empty(rest.shape)
+
+    def _log_flush(self, n: int) -> None:
+        """Note this flush (tokens appended, residual length, tokens encoded) for ``crop_refusal``. An entry
+        matters while the tokens that came after it fit in the window; ``appended - residual`` never
+        decreases, so one that stops mattering never matters again and is dropped."""
+        r = self.residual_length
+        self.flushes = [f for f in self.flushes if self.appended - f[0] < r - n] + [(self.appended, r, n)]
+
+    def crop_refusal(self, n: int) -> str | None:
+        """None when the newest ``n`` tokens are still exact in the residual window and every flush since
+        they came would have encoded as many tokens without them (so the window then holds what the policy
+        promises); else why not."""
+        if n > self.residual_length:
+            return (
+                f"the newest {n} tokens are not all in the exact residual window of "
+                f"{self.residual_length} (older ones are {self.config.name}-encoded)"
+            )
+        start = self.appended - n
+        for at, r, encoded in self.flushes:
+            m = at - start  # of the removed tokens, those this flush saw
+            if m > 0 and max(0, self.flush_count(r - m)) != encoded:
+                return (
+                    "they pushed older tokens out of the exact residual window into the encoded region, "
+                    "which cannot be undone exactly"
+                )
+        return None
+
+    def crop_conditions(self) -> list[str]:
+        return ["the rejected tokens made no older token leave the exact residual window"]
+
+    def crop(self, n: int) -> None:
+        """Cut the window's newest ``n`` tokens (a copy: their floats are freed); the flushes that saw them
+        are noted as they would have been without them."""
+        tr, start = self.residual_length - n, self.appended - n
+        for kind in self.kinds:
+            self.residual[kind] = self.residual[kind][:, :, :tr].clone()
+        if self.positions is not None:
+            self.positions = self.positions[..., : self.positions.shape[-1] - n]
+        self.flushes = [(min(at, start), r - max(0, at - start), e) for at, r, e in self.flushes]
+        self.appended = start
 
     def _extend(self, kind: str, new: tuple) -> None:
         """Append newly encoded tokens: with ``grows_in_place`` into a growable buffer (``buffers.Slots``,
@@ -226,6 +268,7 @@ class ResidualStore(Store):
         self.encoded = dict.fromkeys(KINDS)
         self.residual = dict.fromkeys(KINDS)
         self.positions, self.appended = None, 0
+        self.flushes = []
 
     def tensors(self):
         parts = [t for kind in self.kinds if self.encoded[kind] is not None for t in self.encoded[kind]]

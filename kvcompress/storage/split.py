@@ -59,6 +59,16 @@ class SplitStore(Store):
         for store in self._both():
             store.flush(valid)
 
+    def crop_refusal(self, n: int) -> str | None:
+        return self.key_store.crop_refusal(n) or self.value_store.crop_refusal(n)
+
+    def crop_conditions(self) -> list[str]:
+        return list(dict.fromkeys(self.key_store.crop_conditions() + self.value_store.crop_conditions()))
+
+    def crop(self, n: int) -> None:
+        for store in self._both():
+            store.crop(n)
+
     def reorder(self, beam_idx) -> None:
         for store in self._both():
             store.reorder(beam_idx)

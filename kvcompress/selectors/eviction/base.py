@@ -118,6 +118,15 @@ class EvictionLayer(PolicyLayer):
         super().reset()
         self.padding_seen = 0
 
+    def never_crops(self) -> str | None:
+        """A selector that evicts at decode steps decides from every query, the rejected candidates' too."""
+        if self.policy.evicts == "always":
+            return (
+                f"{self.policy.selector} decides evictions from every query's attention at decode steps, so "
+                "a rejected candidate's queries have already shaped what is kept"
+            )
+        return None
+
     def row_targets(self, k: int) -> torch.Tensor | None:
         """Tokens each row keeps (B, 1, 1) when a ratio sizes rows of different real lengths (each row from
         its own real tokens, at most ``k``); None when every row keeps ``k``."""

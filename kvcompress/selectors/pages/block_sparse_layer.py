@@ -52,6 +52,12 @@ class BlockSparseLayer(PolicyLayer):
         self.meta_len = 0
         self.counters = dict.fromkeys(self.COUNTERS, 0)
 
+    def never_crops(self) -> str | None:
+        return (
+            "its page bounds (key min/max per page) already fold in the rejected tokens' keys, and a min or "
+            "max cannot be unfolded"
+        )
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
         self.shift = [self.shift[i] for i in beam_idx.tolist()]

@@ -67,6 +67,7 @@ class LowRankStorage(LowRankChecks, Storage):
     """
 
     name = "low_rank"
+    store_class = LowRankStore  # built by ``layer`` with the calibrated bases (not by the base class)
     FORMULA = True  # bytes_for below is this class's own
     MAX_MEMORY_RATIO = 1.04  # pre-RoPE keys: an int32 position per token and KV head, 3.1% of K+V at D=16
     TEST_PARAMS = [

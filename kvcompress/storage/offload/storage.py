@@ -80,6 +80,24 @@ class OffloadStore(Store):
         """The hot tokens only (slots ``cold_pages * block_size`` on); cold pages come through ``fetch``."""
         return self.keys, self.values
 
+    def crop_refusal(self, n: int) -> str | None:
+        """None when the newest ``n`` tokens are in the hot tail and no page went cold because of them (the
+        cold count is what ``flush`` would give without them); else why not."""
+        bs, hot = self.config.block_size, 0 if self.keys is None else self.keys.shape[-2]
+        if n > hot:
+            return f"the newest {n} tokens are not all in the hot tail of {hot} (older pages went cold)"
+        if max(0, (self.length - n - self.config.recent) // bs) != self.cold_pages:
+            return "they pushed a page out of the recent window to the cold tier, which cannot be undone"
+        return None
+
+    def crop_conditions(self) -> list[str]:
+        return ["the rejected tokens sent no page to the cold tier"]
+
+    def crop(self, n: int) -> None:
+        """Cut the hot tail's newest ``n`` tokens (leading slices: their slots become headroom)."""
+        hot = self.keys.shape[-2] - n
+        self.keys, self.values = self.keys[:, :, :hot], self.values[:, :, :hot]
+
     def keep(self, idx) -> None:
         raise NotImplementedError("offload storage evicts nothing: only the tiered selector serves it")
 
