@@ -126,6 +126,11 @@ class Store:
         """Keep only tokens ``idx`` (B, 1 or H_kv, k), ascending; the others' storage is freed."""
         raise NotImplementedError
 
+    def keep_pairs(self, pairs: torch.Tensor) -> None:
+        """Keep (token, head) pairs ``pairs`` (B, N), pair ``t * H + h``, in one flat token axis (B, 1, N, D)
+        (head-adaptive budgets); dense storage only."""
+        raise NotImplementedError(f"storage {self.config.name} cannot hold heads of different lengths")
+
     def keep_spans(self, spans: list[tuple[int, int]]) -> None:
         """Keep the token ranges ``[a, b)`` (the same in every row and head)."""
         device = self.read_device()

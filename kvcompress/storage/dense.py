@@ -36,6 +36,15 @@ class DenseStore(Store):
         for kind in self.kinds:
             setattr(self, kind, self.slots.take(kind, getattr(self, kind), idx))
 
+    def keep_pairs(self, pairs) -> None:
+        """Keep the (token, head) pairs ``pairs`` (B, N), pair ``t * H + h``, flat: (B, 1, N, D) each (the
+        layout of head-adaptive budgets, ``selectors.eviction.adaptive``)."""
+        for kind in self.kinds:
+            x = getattr(self, kind)
+            b, h, t, d = x.shape
+            flat = x.transpose(1, 2).reshape(b, 1, t * h, d)  # (B, 1, T * H, D), pair t * H + h
+            setattr(self, kind, self.slots.take(kind, flat, pairs[:, None]))
+
     def keep_spans(self, spans) -> None:
         for kind in self.kinds:
             setattr(self, kind, self.slots.take_spans(kind, getattr(self, kind), spans))

@@ -41,8 +41,16 @@ def settings(record: dict) -> str:
     for fields, defaults in ((policy, _defaults("policy", record.get("policy_name"))),
                              (storage, _defaults("storage", record.get("storage")))):  # fmt: skip
         fields = _current_names(fields)
-        out += [f"{k}={v}" for k, v in fields.items() if k != "_target_" and defaults.get(k, v) != v]
+        out += [f"{k}={v}" for k, v in fields.items() if k != "_target_" and not _same(v, defaults.get(k, v))]
     return " ".join(out)
+
+
+def _same(value, default) -> bool:
+    """Whether a recorded field equals its default; in a nested config a field the record lacks was added
+    after it was written, so it stands at its default."""
+    if isinstance(value, dict) and isinstance(default, dict):
+        return all(_same(v, default.get(k, v)) for k, v in value.items())
+    return value == default
 
 
 def _current_names(node):

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.fields import Choice, Float, Int
+from kvcompress.core.fields import Bool, Choice, Float, Int
 from kvcompress.core.layer import PolicyLayer
 from kvcompress.core.policy import Policy, Shape
+from kvcompress.selectors.eviction import adaptive as ada
 from kvcompress.selectors.eviction.chunks import chunk_priority
 
 UNITS = ("token", "chunk")
@@ -57,6 +58,10 @@ class EvictionPolicy(Policy):
         compression_ratio: fraction of the tokens seen that is removed, in [0, 1).
         unit: token: keep the best tokens; chunk: keep whole chunks by their summed scores.
         chunk_size: consecutive tokens per chunk when unit is chunk.
+        adaptive: share each layer's budget among its KV heads by score (Ada-KV, arXiv 2407.11550), each
+            head really storing its own number of tokens (``eviction.adaptive``); selectors that evict the
+            prompt once, over dense storage.
+        adaptive_floor: with adaptive, the fraction of the per-head budget every head keeps at least.
     """
 
     evicts = "always"
@@ -66,10 +71,21 @@ class EvictionPolicy(Policy):
     compression_ratio: float | None = Float(None, 0.0, 1.0, high_open=True, null=True)
     unit: str = Choice("token", UNITS)
     chunk_size: int = Int(10, low=1)
+    adaptive: bool = Bool(False)
+    adaptive_floor: float = Float(0.2, 0.0, 1.0)
 
     def __post_init__(self):
         check_one_budget(self)
         super().__post_init__()
+        why = self.adaptive and ada.refusal(self, self.storage.name, None)
+        if why:
+            raise ValueError(why)
+
+    def check(self, spec) -> None:
+        super().check(spec)
+        windowed = [i for i in range(spec.num_layers) if spec.window(i) is not None]
+        if self.adaptive and self.apply_to == "all" and windowed:
+            raise ValueError(ada.refusal(self, self.storage.name, spec.window(windowed[0])))
 
     def keep_count(self, n_tokens: int) -> int:
         """Tokens a layer keeps per head after seeing ``n_tokens`` real tokens (at least 1)."""
@@ -94,7 +110,7 @@ class EvictionPolicy(Policy):
         return min(s.total, self.keep_count(s.total))
 
 
-class EvictionLayer(PolicyLayer):
+class EvictionLayer(ada.AdaptiveHeads, PolicyLayer):
     """A layer that evicts from attention scores (``observe_attention``) instead of ``compress``."""
 
     wants_scores = True
@@ -165,6 +181,11 @@ class EvictionLayer(PolicyLayer):
             pinned: (B or 1, 1 or H_kv, T) bool, tokens kept first whatever their score (sinks, H2O's
                 recent window); among kept-first tokens the newest win ties (``token_order``).
         """
+        if self.flat:
+            raise ValueError(
+                f"{self.policy.name}.adaptive=true: this layer's heads already hold their own budgets; a "
+                "second eviction (a later step of several tokens over the budget) is not supported"
+            )
         t = scores.shape[-1]
         order = self.token_order(t, scores.device)
         first = pinned if pinned is not None else torch.zeros(1, 1, t, dtype=torch.bool, device=scores.device)
@@ -174,6 +195,10 @@ class EvictionLayer(PolicyLayer):
         if self.unit == "chunk":
             prio = chunk_priority(prio, self.policy.chunk_size, self.valid, ~first)
         prio = torch.where(first, _BIG + order, prio)
+        if getattr(self.policy, "adaptive", False):  # one ranking of all (token, head) pairs (Ada-KV)
+            return self.flatten(
+                ada.allocate(prio.expand(-1, self.spec.num_kv_heads, -1), k, self.policy.adaptive_floor)
+            )
         if t - k == 1 and self.valid is None and protect < t:  # decode: drop one token, no top-k or sort
             worst = prio[..., : t - protect].argmin(dim=-1, keepdim=True)  # (B, h, 1)
             if self.order_free and protect == 0 and self.drop_one(worst):
