@@ -106,3 +106,30 @@ def test_plot_labels_keep_only_the_swept_fields():
     ]
     assert varying_params(rows) == ["bits=2", "bits=8"]
     assert varying_params(rows[:1]) == ["bits=2 group_size=32 recent=128"]
+
+
+def _niah_record(folder, correct: list[bool], depths=None) -> dict:
+    import json
+
+    folder.mkdir(parents=True)
+    depths = depths or list(range(len(correct)))
+    rows = [{"length": 1024, "depth": d, "needle": 0, "question_in_prompt": True, "correct": c}
+            for d, c in zip(depths, correct, strict=True)]  # fmt: skip
+    (folder / "niah_cases.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    n = len(correct)
+    acc = sum(correct) / n
+    return {"run_dir": str(folder), "metrics": {"accuracy": acc, "accuracy_ci_low": max(0.0, acc - 0.3),
+                                                "accuracy_ci_high": min(1.0, acc + 0.3)}}  # fmt: skip
+
+
+def test_accuracies_of_the_same_cases_are_compared_paired(tmp_path):
+    from kvcompress.harness.report import compare_records
+
+    worse = _niah_record(tmp_path / "a", [True] * 10 + [False] * 10)
+    better = _niah_record(tmp_path / "b", [True] * 20)
+    text = compare_records("b", better, "a", worse, "accuracy")
+    assert text.startswith("b is better than a on accuracy: paired over 20 cases, b - a = 0.5")
+    same = compare_records("b", better, "c", _niah_record(tmp_path / "c", [True] * 19 + [False]), "accuracy")
+    assert "not distinguishable" in same and "paired over 20 cases" in same
+    other = _niah_record(tmp_path / "d", [True] * 20, depths=list(range(100, 120)))  # different cases
+    assert "paired" not in compare_records("b", better, "d", other, "accuracy")

@@ -111,13 +111,30 @@ def compare_rows(name_a: str, a: dict, name_b: str, b: dict, metric: str = "perp
 
 def compare_records(name_a: str, a: dict, name_b: str, b: dict, metric: str = "perplexity") -> str:
     """Two records' ``metric``: paired over their text slices when both scored the same slices (perplexity
-    or nll), else by their intervals (``compare_rows``)."""
+    or nll), paired over their cases when both answered the same retrieval cases (accuracy), else by their
+    intervals (``compare_rows``)."""
     slices = [r.get("metrics", {}).get("slices") or [] for r in (a, b)]
     same = [[(s["offset_tokens"], s["tokens_scored"]) for s in sl] for sl in slices]
     if metric in ("perplexity", "nll") and len(same[0]) > 1 and same[0] == same[1]:
         values = [[s[metric] for s in sl] for sl in slices]
         return compare_paired(name_a, values[0], name_b, values[1], metric)
+    cases = [_cases(r) for r in (a, b)]
+    if metric == "accuracy" and cases[0] and [c[0] for c in cases[0]] == [c[0] for c in cases[1]]:
+        correct = [[float(c[1]) for c in found] for found in cases]
+        return compare_paired(name_a, correct[0], name_b, correct[1], metric, False, "cases")
     return compare_rows(name_a, flatten(a), name_b, flatten(b), metric)
+
+
+def _cases(record: dict) -> list[tuple]:
+    """A retrieval record's cases as ``((length, depth, needle, question_in_prompt), correct)``, from the
+    ``*_cases.jsonl`` its run wrote (empty without one)."""
+    folder = Path(record.get("run_dir") or "")
+    files = sorted(folder.glob("*_cases.jsonl")) if record.get("run_dir") else []
+    if len(files) != 1:
+        return []
+    rows = [json.loads(line) for line in files[0].read_text().splitlines() if line.strip()]
+    keys = ("length", "depth", "needle", "question_in_prompt")
+    return [(tuple(r.get(k) for k in keys), r["correct"]) for r in rows if "correct" in r]
 
 
 def csv_text(rows: list[dict]) -> str:

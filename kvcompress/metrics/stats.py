@@ -87,7 +87,7 @@ def compare(name_a: str, a: tuple, name_b: str, b: tuple, metric: str = "value",
 
 
 def compare_paired(name_a: str, a: list[float], name_b: str, b: list[float], metric: str = "value",
-                   lower_is_better: bool = True) -> str:  # fmt: skip
+                   lower_is_better: bool = True, unit: str = "slices") -> str:  # fmt: skip
     """One sentence comparing two configs measured on the same samples (the same text slices), by the
     95% t-interval of the per-sample differences ``a - b``: "not distinguishable" when it contains 0.
 
@@ -100,12 +100,12 @@ def compare_paired(name_a: str, a: list[float], name_b: str, b: list[float], met
     if low is None or low <= 0 <= high:
         span = "one pair, no interval" if low is None else f"[{low:.4g}, {high:.4g}], which includes 0"
         return (
-            f"{name_a} and {name_b} are not distinguishable on {metric}: paired over {n} slices, "
+            f"{name_a} and {name_b} are not distinguishable on {metric}: paired over {n} {unit}, "
             f"{name_a} - {name_b} = {mean:.4g} {span}"
         )
     a_better = (mean < 0) == lower_is_better
     winner, loser = (name_a, name_b) if a_better else (name_b, name_a)
     return (
-        f"{winner} is better than {loser} on {metric}: paired over {n} slices, {name_a} - {name_b} = "
+        f"{winner} is better than {loser} on {metric}: paired over {n} {unit}, {name_a} - {name_b} = "
         f"{mean:.4g} [{low:.4g}, {high:.4g}] (95%)"
     )
