@@ -9,7 +9,7 @@ cd "$(dirname "$0")/../.."
 R=experiments/adaptive/runs
 source experiments/_run_lib.sh
 PREFIX=(task.max_tokens=2049 task.prefix_tokens=1536 task.chunk_size=1 task.speed=false task.slices=3)
-for p in snapkv kvzip; do
+for p in snapkv h2o kvzip; do  # in this order: a prompt-time, a decode-time, a query-agnostic selector
   for r in 0.5 0.75; do
     for a in false true; do
       for q in true false; do

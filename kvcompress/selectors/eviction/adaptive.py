@@ -14,9 +14,14 @@ each KV head reads the shared axis masked to its pairs (``attend``), so it costs
 head's own pairs on a decode step (the bytes held are what shrink; a ragged kernel would remove the extra
 reads and is not written yet).
 
-Scope, refused by name elsewhere: the selectors that evict the prompt once (``evicts: prefill``: snapkv,
-pyramidkv's snapkv, expected_attention, kvzip), dense storage, no padding, full-attention layers. A flat
-layer takes no second eviction (a later step of several tokens over the budget) and no ``crop``.
+Selectors that evict at every decode step from the decode query's attention (h2o, tova: ``adaptive_decode``)
+go on evicting pairs once flat: each pair is scored by its own head's attention, and the ``H_kv * k`` best
+pairs of the layer stay (the floor applies at the allocation that made the layer flat, not at each step).
+
+Scope, refused by name elsewhere: those selectors and the ones that evict the prompt once (``evicts:
+prefill``: snapkv, pyramidkv's snapkv, expected_attention, kvzip), dense storage, no padding, full-attention
+layers. A flat layer takes no step of several tokens that would evict (or, for h2o, score) again, and no
+``crop``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import math
 import torch
 
 from kvcompress.core import forward_state
+from kvcompress.core.fused import window_scores
 
 SAFE = 1e9  # added to a head's safeguarded tokens: above every score, below pinned tokens (base._BIG)
 
@@ -47,11 +53,11 @@ def allocate(prio: torch.Tensor, k: int, floor: float) -> torch.Tensor:
 
 def refusal(policy, storage_name: str, window) -> str | None:
     """Why ``adaptive: true`` cannot serve this layer, or None."""
-    if policy.evicts != "prefill":
+    if policy.evicts != "prefill" and not type(policy).adaptive_decode:
         return (
             f"{policy.name}.adaptive=true: head-adaptive budgets are allocated when the prompt is evicted, "
-            f"and {policy.name} evicts at every decode step; use snapkv, pyramidkv, expected_attention or "
-            "kvzip"
+            f"and {policy.name} evicts at every decode step from more than its query (use snapkv without "
+            "slack, pyramidkv, expected_attention, kvzip, h2o or tova)"
         )
     if storage_name != "dense":
         return f"{policy.name}.adaptive=true stores each head's own pairs densely: use storage=dense"
@@ -78,12 +84,64 @@ class AdaptiveHeads:
             raise ValueError(
                 f"{self.policy.name}.adaptive=true does not serve padded rows (batch with padding)"
             )
-        h, t = self.spec.num_kv_heads, self.stored_length()
+        h, t, b = self.spec.num_kv_heads, self.stored_length(), pairs.shape[0]
         self.store.keep_pairs(pairs)
+
+        def flat(x):  # (B, 1 or H, T) per-token state -> (B, 1, N) at the pairs
+            x = x.expand(b, h, -1) if x.shape[1] == 1 else x
+            return x.transpose(1, 2).reshape(b, 1, -1).gather(-1, pairs[:, None])
+
+        for name in self.per_token:
+            setattr(self, name, flat(getattr(self, name)))
+        self.pos = flat(self.positions()) if self.needs_positions else None
+        self.track = self.needs_positions
         self.head_of = (pairs % h).to(torch.int8)[:, None]
-        self.track, self.pos, self.grouped_decode = False, None, False
+        self.grouped_decode = False
         self.evicted += t - pairs.shape[-1] // h
         return pairs
+
+    def flat_select(self, scores: torch.Tensor, k: int, first: torch.Tensor) -> torch.Tensor:
+        """A flat layer's decode-step eviction: the ``H_kv * k`` best pairs stay (``first`` (B, 1, N) ahead
+        of every score, the newest first among them)."""
+        if self.step_tokens > 1 or not type(self.policy).adaptive_decode:
+            raise ValueError(
+                f"{self.policy.name}.adaptive=true: this layer's heads already hold their own budgets; a "
+                "second eviction of the prompt (a later step of several tokens over the budget) is not "
+                "supported"
+            )
+        n = scores.shape[-1]
+        order = self.pos.double() if self.pos is not None else torch.arange(n, device=scores.device).double()
+        prio = torch.where(first, SAFE * 1e3 + order, scores.double())
+        keep = min(k * self.spec.num_kv_heads, n)
+        return self.keep(prio.topk(keep, dim=-1).indices)
+
+    def keep(self, idx: torch.Tensor, is_sorted: bool = False) -> torch.Tensor:
+        if not self.flat:
+            return super().keep(idx, is_sorted)
+        idx = idx if is_sorted else idx.sort(dim=-1).values
+        evicted, before = self.evicted, self.store.length
+        self.head_of = self.head_of.gather(-1, idx)
+        out = super().keep(idx, is_sorted=True)
+        self.evicted = evicted + (before - idx.shape[-1]) // self.spec.num_kv_heads
+        return out
+
+    def drop_one(self, slot) -> bool:
+        return False if self.flat else super().drop_one(slot)
+
+    def scores(self, query, key, scaling: float, window: int, probs=None) -> torch.Tensor:
+        """Once flat, each pair's attention from its own head's decode query: (B, 1, 1, N)."""
+        if not self.flat:
+            return super().scores(query, key, scaling, window, probs)
+        if query.shape[2] > 1:
+            raise ValueError(
+                f"{self.policy.name}.adaptive=true: a step of several tokens after the heads took their own "
+                "budgets is not supported (its scores would need causal masks over the flat pairs)"
+            )
+        return window_scores(query, key, scaling, self._members(key.shape[1])).sum(dim=1, keepdim=True)
+
+    def _members(self, h: int) -> torch.Tensor:
+        """(B, H_kv, N) bool: which stored pairs each KV head owns."""
+        return self.head_of == torch.arange(h, device=self.head_of.device).view(1, h, 1)
 
     def stored_length(self) -> int:
         """Tokens per KV head (the mean, once flat: pairs / H_kv), what budgets compare with."""
@@ -99,9 +157,13 @@ class AdaptiveHeads:
                 f"{self.policy.name}.adaptive=true does not serve padded rows (batch with padding)"
             )
         flat = lambda x: x.transpose(1, 2).reshape(b, 1, q * h, d)  # noqa: E731  pair t * H + h
+        self.on_append(flat(key_states), None)  # the selector's per-pair state grows (H2O's scores)
         self.store.append(flat(key_states), flat(value_states))
         heads = torch.arange(h, dtype=torch.int8, device=key_states.device).repeat(q).expand(b, 1, -1)
         self.head_of = self.slots.grow("head_of", self.head_of, heads)
+        if self.track:
+            new = torch.arange(self.seen, self.seen + q, dtype=torch.int32, device=key_states.device)
+            self.pos = self.slots.grow("pos", self.pos, new.repeat_interleave(h).expand(b, 1, -1))
         self.seen, self.step_tokens = self.seen + q, q
         keys, values = self.store.read()
         self._view = (keys.shape[-2], None, None)
@@ -115,7 +177,7 @@ class AdaptiveHeads:
             return super().attend(query, key, value)
         n, q, h = key.shape[-2], query.shape[2], key.shape[1]
         self._view = (n, None, None)
-        mask = self.head_of[:, :, None, :] == torch.arange(h, device=key.device).view(1, h, 1, 1)
+        mask = self._members(h)[:, :, None, :]  # (B, H_kv, 1, N)
         if q > 1:  # the step's pairs (the last q * H) follow their tokens' order
             step = torch.arange(n, device=key.device) - (n - q * h)
             mask = mask & (step.div(h, rounding_mode="floor") <= torch.arange(q, device=key.device)[:, None])

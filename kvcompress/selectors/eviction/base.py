@@ -65,6 +65,7 @@ class EvictionPolicy(Policy):
     """
 
     evicts = "always"
+    adaptive_decode = False  # adaptive: true also at decode steps, scored by the decode query (h2o, tova)
     FUZZ = BUDGET_FUZZ
 
     budget: int | None = Int(None, low=1, null=True)
@@ -181,11 +182,6 @@ class EvictionLayer(ada.AdaptiveHeads, PolicyLayer):
             pinned: (B or 1, 1 or H_kv, T) bool, tokens kept first whatever their score (sinks, H2O's
                 recent window); among kept-first tokens the newest win ties (``token_order``).
         """
-        if self.flat:
-            raise ValueError(
-                f"{self.policy.name}.adaptive=true: this layer's heads already hold their own budgets; a "
-                "second eviction (a later step of several tokens over the budget) is not supported"
-            )
         t = scores.shape[-1]
         order = self.token_order(t, scores.device)
         first = pinned if pinned is not None else torch.zeros(1, 1, t, dtype=torch.bool, device=scores.device)
@@ -194,6 +190,8 @@ class EvictionLayer(ada.AdaptiveHeads, PolicyLayer):
         prio = scores.double()
         if self.unit == "chunk":
             prio = chunk_priority(prio, self.policy.chunk_size, self.valid, ~first)
+        if self.flat:  # the heads hold their own budgets: pairs compete across heads
+            return self.flat_select(scores, k, first)
         prio = torch.where(first, _BIG + order, prio)
         if getattr(self.policy, "adaptive", False):  # one ranking of all (token, head) pairs (Ada-KV)
             return self.flatten(

@@ -71,6 +71,7 @@ class H2OPolicy(EvictionPolicy):
     """
 
     layer_class = H2OLayer
+    adaptive_decode = True  # scored by the decode query alone: pairs can compete across heads at each step
     FORMULA = True  # the memory formulas below are this class's own
     MAX_MEMORY_RATIO = 1.07  # float32 score + int32 position per token and head: 6.25% of K+V at D=16
     TEST_PARAMS = {"budget": 12, "compression_ratio": None, "recent": 4, "observation_window": 6}

@@ -21,7 +21,10 @@ class TOVALayer(EvictionLayer):
         if self.stored_length() <= k:
             return
         last = self.scores(query, key, scaling, 1, probs)  # (B, H_kv, 1, T)
-        self.select(last[:, :, 0].mean(dim=1, keepdim=True), k)  # (B, 1, T)
+        if self.policy.adaptive:  # each head's own scores: its pairs compete with the other heads'
+            self.select(last[:, :, 0], k)
+        else:
+            self.select(last[:, :, 0].mean(dim=1, keepdim=True), k)  # (B, 1, T)
 
 
 @dataclass
@@ -31,6 +34,7 @@ class TOVAPolicy(EvictionPolicy):
     keeps the same tokens, as in the authors' cache). Nothing is protected, not even the newest token."""
 
     layer_class = TOVALayer
+    adaptive_decode = True  # scored by the decode query alone: pairs can compete across heads at each step
     FORMULA = True  # the memory formulas below are this class's own
     TEST_PARAMS = {"budget": 12, "compression_ratio": None}
     MEMORY_VARIANTS = [{"budget": None, "compression_ratio": 0.25}]
