@@ -18,7 +18,8 @@ from kvcompress.core.plan import Call, Plan
 
 class Backend:
     """One way to run attention. ``missing`` says why a plan is not served (None: served); ``run`` returns
-    the output (B, q, H, D) and the decode query's probabilities (B, H_kv, 1, T) float32 or None."""
+    the output (B, q, H, D) and the decode query's probabilities (B, H_kv, 1, T) float32 or None (with
+    ``probs: lse``, each query's log-sum-exp (B, H, q) float32 or None)."""
 
     name = ""
 

@@ -18,6 +18,7 @@ class LayerAttention:
     """Mixed into ``PolicyLayer``; ``attend``, ``read_deferred``, ``observes`` and ``end_step`` are its."""
 
     grouped_decode = False  # a decode query attends in the grouped form of the eviction layers
+    observed_probs = "last"  # what ``observe_attention`` gets back from the backend (``plan.PROBS``)
 
     def plan(self, query, key, value) -> Plan:
         """This step's plan for query (B, H, q, D) over what ``update`` returned (B, H_kv, T, D)."""
@@ -26,7 +27,7 @@ class LayerAttention:
             read = self.compact_read()
             dense = None if read.required else self._dense_read
             return Plan(read, dense=dense, done=self.compact_done)
-        probs = "last" if self.observes() else "none"
+        probs = self.observed_probs if self.observes() else "none"
         return Plan(Dense(key, value, expand_heads(mask, query.shape[1])), probs, self.grouped_decode)
 
     def compact_read(self):

@@ -15,7 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-PROBS = ("none", "last")  # none: the selector reads no scores; last: the decode query's, per KV group
+# none: the selector reads no scores; last: the decode query's probabilities, per KV group; lse: each
+# query's log-sum-exp (B, H, q) where the backend's kernel computes it anyway, else None (the selector
+# computes its own)
+PROBS = ("none", "last", "lse")
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from kvcompress.core.executor import Backend, register
 from kvcompress.core.fused import attend_by_parts, decode_attention
 from kvcompress.core.masks import causal
 from kvcompress.core.plan import Call, Plan
-from kvcompress.kernels import fused_pages, fused_quant, triton_backend
+from kvcompress.kernels import flash_lse, fused_pages, fused_quant, triton_backend
 from kvcompress.kernels.triton_backend import Triton
 
 
@@ -45,7 +45,8 @@ class ModelKernel(Backend):
 
 
 class Sdpa(ModelKernel):
-    """``torch.nn.functional.scaled_dot_product_attention`` as transformers calls it."""
+    """``torch.nn.functional.scaled_dot_product_attention`` as transformers calls it; with ``probs: lse``,
+    each query's log-sum-exp too where SDPA's kernel returns it (``flash_lse``), else None."""
 
     name = "sdpa"
 
@@ -53,6 +54,10 @@ class Sdpa(ModelKernel):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         r = plan.read
+        if plan.probs == "lse":
+            found = flash_lse.attention_with_lse(call, r.key, r.value, r.mask)
+            if found is not None:
+                return found
         out, _ = sdpa_attention_forward(
             call.module, call.query, r.key, r.value, r.mask, scaling=call.scaling, **call.kwargs
         )

@@ -33,6 +33,9 @@ class KVzipLayer(EvictionLayer):
     # decode attends as the other eviction layers do (grouped by KV head, no repeated keys; its speed against
     # SDPA is measured in experiments/fused/README.md); no scores are needed after the context pass
     grouped_decode = True
+    # the pass's attention hands back each query's log-sum-exp where its kernel has it (SDPA on a CPU), so
+    # the scores need no softmax of their own (``kvzip_scores``)
+    observed_probs = "lse"
 
     def __init__(self, policy, layer_idx, spec, store):
         super().__init__(policy, layer_idx, spec, store)
@@ -52,9 +55,10 @@ class KVzipLayer(EvictionLayer):
         self.pass_scores = torch.zeros(*self.store.read()[0].shape[:3], device=self.device)
 
     def observe_attention(self, query, key, scaling: float, probs=None) -> None:
+        """``probs``: each query's log-sum-exp (B, H, q) from the attention, or None."""
         stored = self.pass_scores.shape[-1]
         keys_valid, queries_valid = self.pass_valid
-        top = max_attention(query, key, scaling, stored, keys_valid, queries_valid)
+        top = max_attention(query, key, scaling, stored, keys_valid, queries_valid, lse=probs)
         self.pass_valid = None
         torch.maximum(self.pass_scores, top, out=self.pass_scores)
 
