@@ -35,9 +35,11 @@ def docs(check: bool) -> int:
 
 
 def compare(a: Path, b: Path, metric: str) -> int:
-    """Print one sentence on two runs' ``metric``: paired over their text slices when both scored the same
-    ones, else by their intervals; "not distinguishable" when the difference may be noise."""
+    """Print one sentence on two runs' ``metric``: paired over their text slices (or retrieval cases) when
+    both scored the same ones, else by their intervals; "not distinguishable" when the difference may be
+    noise."""
     records = [load_record(p) for p in (a, b)]
+    records = [None if r is None else {**r, "run_dir": str(p)} for r, p in zip(records, (a, b), strict=True)]
     for path, record in zip((a, b), records, strict=True):
         if record is None or record.get("status") != "ok":
             print(f"{path}: no ok results.json", file=sys.stderr)
