@@ -6,7 +6,14 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 RUN_DIR ?= multirun/make-run
 
-.PHONY: install run test test-portable test-fast lint bench bench-quant results clean
+.PHONY: install run test test-compat test-portable test-fast lint bench bench-quant results clean
+
+# transformers: `make install` gets the newest release the range in pyproject.toml allows; these are the
+# other minor releases it allows, each checked by `make test-compat` in its own venv (same torch).
+COMPAT_TRANSFORMERS ?= 5.24
+COMPAT_VENV ?= .venv-compat
+# the 18 decoder families of the zoo and the contract every policy keeps
+COMPAT_TESTS ?= tests/test_families.py tests/test_policy_contract.py
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -17,12 +24,27 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+$(COMPAT_VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/pip install -q --upgrade pip
+	$(COMPAT_VENV)/bin/pip install -q "$(TORCH)"
+	$(COMPAT_VENV)/bin/pip install -q -e ".[dev,test]" "transformers==$(firstword $(COMPAT_TRANSFORMERS)).*"
+	touch $@
+
 run: install
 	$(BIN)/kvcompress -m policy=full,sliding_window task.max_tokens=1024 hydra.sweep.dir=$(RUN_DIR)
 	$(BIN)/python scripts/collect.py $(RUN_DIR)
 
 test: install
 	$(BIN)/python -m pytest tests
+
+# The family zoo and the policy contract under each older transformers release in COMPAT_TRANSFORMERS.
+test-compat: $(COMPAT_VENV)/.installed
+	set -e; for release in $(COMPAT_TRANSFORMERS); do \
+		$(COMPAT_VENV)/bin/pip install -q "transformers==$$release.*"; \
+		$(COMPAT_VENV)/bin/python -c "import transformers; print('transformers', transformers.__version__)"; \
+		$(COMPAT_VENV)/bin/python -m pytest $(COMPAT_TESTS); \
+	done
 
 # The whole suite on the portable build of the C++ kernels (no -march=native: what a CPU without AVX-512 runs).
 test-portable: install
