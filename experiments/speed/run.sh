@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Speed on the embedded model (SmolLM2-135M, float32, CPU, one thread per process): the decode ratio of the
-# C++ quant kernel and the other compressed caches to full, lm-eval batching, and the 1k-8k scaling table.
-# `bash experiments/speed/run.sh [decode|paired|evict|lm_eval|scaling]` (all by default); resumable: finished records are
-# skipped. Records: experiments/speed/runs/<name>/results.json (decode: experiments/fused/decode_4k_kernel.json).
+# C++ quant kernel and the other compressed caches to full, lm-eval batching, the 1k-8k scaling table, and
+# kvzip's context pass stage by stage.
+# `bash experiments/speed/run.sh [decode|paired|evict|lm_eval|scaling|kvzip]` (all by default); resumable:
+# finished records are skipped. Records: experiments/speed/runs/<name>/results.json (decode:
+# experiments/fused/decode_4k_kernel.json).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONPATH=$PWD
@@ -106,5 +108,12 @@ if [[ $what == all || $what == scaling ]]; then
   done_ok $R/scaling/results.json || $PY -m kvcompress task=bench "task.lengths=[1024,2048,4096,8000]" \
     "task.policies=[full,quant,snapkv,sliding_window]" "task.peers=[dynamic]" \
     task.decode_tokens=8 task.warmup=1 task.repeats=1 task.progress=false hydra.run.dir=$R/scaling > /dev/null
+fi
+if [[ $what == all || $what == kvzip ]]; then
+  # kvzip's prefill + context pass against a plain prefill of 2048 tokens, stage by stage, 5 rounds.
+  # kvzip_pass_before is the same script run in a worktree of commit ccdd7a3 (scores from a float32 softmax of
+  # every chunk query over every key, per layer and chunk)
+  done_ok $R/kvzip_pass_after/results.json || $PY benchmarks/kvzip_prefill.py --repeats 5 --label after \
+    --out $R/kvzip_pass_after
 fi
 $PY scripts/collect.py $R || true
