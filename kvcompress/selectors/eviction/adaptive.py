@@ -100,19 +100,16 @@ class AdaptiveHeads:
         self.evicted += t - pairs.shape[-1] // h
         return pairs
 
-    def flat_select(self, scores: torch.Tensor, k: int, first: torch.Tensor) -> torch.Tensor:
-        """A flat layer's decode-step eviction: the ``H_kv * k`` best pairs stay (``first`` (B, 1, N) ahead
-        of every score, the newest first among them)."""
+    def flat_select(self, prio: torch.Tensor, k: int) -> torch.Tensor:
+        """A flat layer's decode-step eviction: the ``H_kv * k`` pairs of highest priority (B, 1, N) stay
+        (``EvictionLayer.select``'s priorities: kept-first pairs above every score)."""
         if self.step_tokens > 1 or not type(self.policy).adaptive_decode:
             raise ValueError(
                 f"{self.policy.name}.adaptive=true: this layer's heads already hold their own budgets; a "
                 "second eviction of the prompt (a later step of several tokens over the budget) is not "
                 "supported"
             )
-        n = scores.shape[-1]
-        order = self.pos.double() if self.pos is not None else torch.arange(n, device=scores.device).double()
-        prio = torch.where(first, SAFE * 1e3 + order, scores.double())
-        keep = min(k * self.spec.num_kv_heads, n)
+        keep = min(k * self.spec.num_kv_heads, prio.shape[-1])
         return self.keep(prio.topk(keep, dim=-1).indices)
 
     def keep(self, idx: torch.Tensor, is_sorted: bool = False) -> torch.Tensor:

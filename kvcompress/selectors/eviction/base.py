@@ -190,9 +190,9 @@ class EvictionLayer(ada.AdaptiveHeads, PolicyLayer):
         prio = scores.double()
         if self.unit == "chunk":
             prio = chunk_priority(prio, self.policy.chunk_size, self.valid, ~first)
-        if self.flat:  # the heads hold their own budgets: pairs compete across heads
-            return self.flat_select(scores, k, first)
         prio = torch.where(first, _BIG + order, prio)
+        if self.flat:  # the heads hold their own budgets: pairs compete across heads
+            return self.flat_select(prio, k)
         if getattr(self.policy, "adaptive", False):  # one ranking of all (token, head) pairs (Ada-KV)
             return self.flatten(
                 ada.allocate(prio.expand(-1, self.spec.num_kv_heads, -1), k, self.policy.adaptive_floor)
