@@ -67,16 +67,19 @@ class KVCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the newest ``-tokens_to_remove`` tokens from every layer, exactly (``core.rollback``), or
         from none: every layer is asked first, and a refusal names this cache's policy, the layer and why."""
-        n = -tokens_to_remove
-        if n > 0:
-            for layer in self.layers:
-                why = layer.crop_refusal(n) if layer.is_initialized else None
-                if why:
-                    raise ValueError(
-                        f"policy {self.policy.name!r} cannot roll back its newest {n} tokens (layer "
-                        f"{layer.layer_idx}), as assisted and prompt-lookup decoding need: {why}"
-                    )
-        super().crop(tokens_to_remove)
+        if tokens_to_remove >= 0:
+            return super().crop(tokens_to_remove)  # 0: nothing to remove; > 0: the layers refuse the count
+        n, layers = -tokens_to_remove, [layer for layer in self.layers if layer.is_initialized]
+        for layer in layers:
+            layer.end_deferred()  # before asking: a deferred step's flush is part of what crop would undo
+            why = layer.crop_refusal(n)
+            if why:
+                raise ValueError(
+                    f"policy {self.policy.name!r} cannot roll back its newest {n} tokens (layer "
+                    f"{layer.layer_idx}), as assisted and prompt-lookup decoding need: {why}"
+                )
+        for layer in layers:  # every layer said yes: each is cut once, not asked again
+            layer.cut(n)
 
     # -- one compressed context, many questions ---------------------------------------------------
     def __deepcopy__(self, memo):

@@ -65,15 +65,24 @@ class Rollback:
         n = -tokens_to_remove
         if n == 0 or not self.is_initialized:
             return
-        if self.deferred:  # the last step's attention read codes: its end (the store's flush) comes now
-            self.deferred = False
-            self.end_step()
+        self.end_deferred()
         why = self.crop_refusal(n)
         if why:
             raise ValueError(
                 f"policy {self.policy.name!r} (layer {self.layer_idx}, storage {self.store.config.name}) "
                 f"cannot roll back its newest {n} tokens, as assisted and prompt-lookup decoding need: {why}"
             )
+        self.cut(n)
+
+    def end_deferred(self) -> None:
+        """A step whose attention read codes ends now (the store's flush), so ``crop_refusal`` sees the
+        state a crop would change."""
+        if self.deferred:
+            self.deferred = False
+            self.end_step()
+
+    def cut(self, n: int) -> None:
+        """Remove the newest ``n`` tokens, once ``crop_refusal(n)`` said None."""
         t = self.stored_length() - n
         self.store.crop(n)
         for name in ("valid", "pos", *self.per_token):
