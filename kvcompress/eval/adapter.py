@@ -30,6 +30,7 @@ from kvcompress.core.fields import refuse_renamed
 from kvcompress.core.policy import Policy
 from kvcompress.eval.batching import check_batch_size, equal_length_groups
 from kvcompress.eval.calibration_guard import CalibrationGuard
+from kvcompress.eval.question import QUESTION_START, compress_then_feed, parse_mode
 from kvcompress.eval.streamed import Scores, score_requests, stream
 from kvcompress.metrics.compression import (
     attention_backends,
@@ -141,6 +142,9 @@ class KVCompressLM(CalibrationGuard, HFLM):
         policy: a name from ``conf/policy/`` (its fields are model args too), a ``Policy`` or a config dict.
         chunk_size: tokens per forward when streaming log-likelihood requests (1 = exact decode mode).
         attn_backend: kernel behind kvcompress's attention function (``sdpa`` or ``eager``).
+        question_in_prompt: ``False`` compresses each generation prompt's context alone and feeds its
+            question after (``kvcompress.eval.question``); ``True`` (default) prefills the prompt whole.
+        question_start: regex of where a prompt's question begins (its last match), for the mode above.
         linears: ``"packed"`` runs the model's linear layers on oneDNN with weights packed once (CPU,
             float32; ``kvcompress.resources.packed_linears``), ``None`` or ``"default"`` leaves them.
         **kwargs: ``hf`` model args (``max_length``, ``dtype``, ``batch_size``...) and policy fields.
@@ -150,6 +154,8 @@ class KVCompressLM(CalibrationGuard, HFLM):
     def __init__(
         self, pretrained=DEFAULT_MODEL, policy="full", chunk_size=1, attn_backend=None, linears=None, **kwargs
     ):
+        self.question_in_prompt = parse_mode(kwargs.pop("question_in_prompt", True))
+        self.question_start = str(kwargs.pop("question_start", QUESTION_START))
         policy, kwargs = split_policy_args(policy, kwargs)
         if int(chunk_size) < 1:
             raise ValueError(f"chunk_size={chunk_size} must be an integer >= 1")
@@ -279,7 +285,9 @@ class KVCompressLM(CalibrationGuard, HFLM):
         mask = generation_kwargs.get("attention_mask")
         if mask is not None and not bool(mask.all()):  # lm-eval pads a batch's prompts on the left
             check_padding(cache, self.policy.name, "batch_size")
-        if self.context_pass:  # the prompt but its last token, prefilled and compressed; generate() goes on
+        if not self.question_in_prompt:  # the context compressed alone, the question fed after it
+            compress_then_feed(self.model, cache, context, self.tokenizer, self.question_start)
+        elif self.context_pass:  # the prompt but its last token, prefilled and compressed; generate() goes on
             head = None if mask is None else mask[:, :-1]
             Padded(self.model, cache, head).prompt(context[:, :-1], self.tokenizer)
         out = super()._model_generate(context, max_length, stop, cache=cache, **generation_kwargs)
@@ -293,6 +301,7 @@ class KVCompressLM(CalibrationGuard, HFLM):
             "model_dtype": str(self.model.dtype),
             "kvcompress": {
                 "policy": self.policy.describe(),
+                "question_in_prompt": self.question_in_prompt,
                 "calibration_ranges": self.calibration_ranges,
                 **self.kvc_stats,
                 **self.compression(),

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from kvcompress.metrics.compression import full_cache_bytes
 
-CASE_FIELDS = ("depth", "length", "id")
+CASE_FIELDS = ("depth", "length", "id", "index")
 
 
 def _plain(value):
@@ -38,17 +38,25 @@ def flatten_results(results: dict) -> dict:
 
 
 def cases(results: dict) -> list[dict]:
-    """Per-document rows (task, depth, length, id, metrics) of the tasks whose documents carry a depth."""
+    """Per-document rows (task, depth, length, id or index, metrics) of the tasks whose documents carry a
+    depth (needles) or an index (RULER): what paired comparisons match across records."""
     rows = []
     for task, items in (results.get("samples") or {}).items():
         names = {metric for metric, _, _ in _metric_keys(results["results"].get(task, {}))}
         for item in items:
             doc = item.get("doc", {})
-            if "depth" in doc:
+            if "depth" in doc or "index" in doc:
                 row = {"task": task, **{k: doc[k] for k in CASE_FIELDS if k in doc}}
                 scores = {m: float(item[m]) for m in sorted(names) if isinstance(item.get(m), (int, float))}
                 rows.append(row | scores)
     return rows
+
+
+def _metadata(tokenizer, cfg) -> dict:
+    """What the tasks' data builders read: the RULER lengths and the tokenizer that sizes them."""
+    lengths = _plain(cfg.get("max_seq_lengths"))
+    meta = {"tokenizer": getattr(tokenizer, "name_or_path", None)}
+    return meta | ({"max_seq_lengths": list(lengths)} if lengths else {})
 
 
 def run(model, tokenizer, policy, cfg) -> dict:
@@ -60,6 +68,9 @@ def run(model, tokenizer, policy, cfg) -> dict:
     from kvcompress.eval.taskdata import task_manager
 
     tasks = list(_plain(cfg.tasks))
+    question = {"question_in_prompt": cfg.get("question_in_prompt", True)}
+    if cfg.get("question_start"):
+        question["question_start"] = cfg.question_start
     lm = KVCompressLM(
         pretrained=model,
         tokenizer=tokenizer,
@@ -67,12 +78,13 @@ def run(model, tokenizer, policy, cfg) -> dict:
         chunk_size=cfg.chunk_size,
         max_length=cfg.get("max_length"),
         batch_size=cfg.get("batch_size", 1),
+        **question,
     )
     start, cpu = time.perf_counter(), time.process_time()
     out = lm_eval.simple_evaluate(
         model=lm,
         tasks=tasks,
-        task_manager=task_manager(tasks, cfg.get("include_path")),
+        task_manager=task_manager(tasks, cfg.get("include_path"), _metadata(tokenizer, cfg)),
         limit=cfg.get("limit"),
         num_fewshot=cfg.get("num_fewshot"),
         gen_kwargs=_plain(cfg.get("gen_kwargs")),
@@ -95,5 +107,6 @@ def run(model, tokenizer, policy, cfg) -> dict:
     metrics.update(
         {k: info[k] for k in ("tokens_evicted", "read_ratio", "compressed", "warning") if k in info}
     )
+    metrics["question_in_prompt"] = lm.question_in_prompt
     metrics["cases"] = cases(out)
     return metrics
