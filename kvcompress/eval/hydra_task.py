@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections import Counter
 
@@ -37,6 +39,11 @@ def flatten_results(results: dict) -> dict:
     return metrics
 
 
+def doc_hash(doc: dict) -> str:
+    """A short fingerprint of a document: two records pair a sample only when they answered the same one."""
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
 def cases(results: dict) -> list[dict]:
     """Per-document rows (task, depth, length, id or index, metrics) of the tasks whose documents carry a
     depth (needles) or an index (RULER): what paired comparisons match across records."""
@@ -46,7 +53,7 @@ def cases(results: dict) -> list[dict]:
         for item in items:
             doc = item.get("doc", {})
             if "depth" in doc or "index" in doc:
-                row = {"task": task, **{k: doc[k] for k in CASE_FIELDS if k in doc}}
+                row = {"task": task, **{k: doc[k] for k in CASE_FIELDS if k in doc}, "doc": doc_hash(doc)}
                 scores = {m: float(item[m]) for m in sorted(names) if isinstance(item.get(m), (int, float))}
                 rows.append(row | scores)
     return rows

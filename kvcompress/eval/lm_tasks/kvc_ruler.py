@@ -7,11 +7,20 @@ variants, lm-eval's own variable-tracking, common-words and frequent-words sets.
 is lm-eval's ``niah_single_1`` document for document; multi-key, multi-value and multi-query put RULER's
 needles (4 keys, 4 values, 4 queries) in the noise haystack where lm-eval's hub tasks use essays. Scoring is
 lm-eval's ``string_match_all`` on its post-processed prediction: the fraction of expected strings found.
+
+lm-eval's generators draw from the global ``random`` (and numpy's) state, so their documents depend on what
+ran before them; each builder seeds both (metadata ``seed``, default 0) first, so a task's documents depend
+only on the tokenizer, the length and the seed, whichever tasks run with it: every leaderboard point
+answers the same samples. lm-eval's own task, built first after its default seeding, gets the same ones.
 """
 
+import random
+
 import datasets
+import numpy as np
 
 DEFAULT_LENGTHS = (1024,)
+VT_MIN_LENGTH = 1024
 NIAH_TEMPLATE = (
     "Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. I "
     "will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic "
@@ -30,6 +39,9 @@ def _tokenizer_name(kwargs: dict) -> str:
 def _setup(kwargs: dict):
     from lm_eval.tasks.ruler.common_utils import get_tokenizer
 
+    seed = int(kwargs.get("seed", 0))
+    random.seed(seed)
+    np.random.seed(seed + 1234)  # lm-eval's default numpy seed is its python seed's default + 1234
     lengths = [int(n) for n in kwargs.get("max_seq_lengths") or DEFAULT_LENGTHS]
     return get_tokenizer(_tokenizer_name(kwargs)), lengths
 
@@ -83,6 +95,11 @@ def variable_tracking(**kwargs) -> dict:
     from lm_eval.tasks.ruler.vt_utils import get_dataset
 
     tokenizer, lengths = _setup(kwargs)
+    if min(lengths) < VT_MIN_LENGTH:  # its in-context example alone takes up to 500 tokens
+        raise ValueError(
+            f"kvc_ruler_vt: max_seq_lengths={lengths}: every length must be >= {VT_MIN_LENGTH} (below it "
+            "lm-eval's variable-tracking generator never finds a sample that fits and does not return)"
+        )
     return _dataset(row for seq in lengths for row in get_dataset(tokenizer=tokenizer, seq=seq))
 
 

@@ -1,0 +1,241 @@
+"""The leaderboard: score against true bytes held for every method point, paired with ``full``.
+
+Records come from ``sweep=leaderboard`` (``experiments/leaderboard/runs/point=<name>,...``): one per point
+and question mode, each with its per-sample scores (``metrics.cases``: task, index, score). A point's score
+is the mean over tasks of each task's mean sample score (RULER's average); its interval and its difference
+from ``full`` (the same samples, the same question mode) are percentile bootstraps over samples, resampled
+within each task (the paired one resamples the pairs). ``make leaderboard`` writes the figure and the table
+of ``docs/results.md`` from the records; the table carries a digest of the figure's data, stored in the
+PNG too, so a test can tell when either differs from the records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+RUNS = "experiments/leaderboard/runs"
+BOOTSTRAP = 2000
+SEED = 0
+MODES = {True: "question in prompt", False: "question after"}
+
+
+@dataclass
+class Point:
+    """One record: a method setting in one question mode, its bytes and per-sample scores."""
+
+    name: str
+    method: str
+    question_in_prompt: bool
+    cache_ratio: float
+    scores: dict[tuple[str, int], float] = field(default_factory=dict)  # (task, index) -> score
+    run: str = ""
+
+    @property
+    def tasks(self) -> list[str]:
+        return sorted({task for task, _ in self.scores})
+
+
+def point_name(run_dir: str) -> str | None:
+    """``snapkv_r75`` from a run folder named ``point=snapkv_r75,task.question_in_prompt=True``."""
+    found = re.search(r"(?:^|,)point=([^,]+)", Path(run_dir).name)
+    return found.group(1) if found else None
+
+
+def method_of(name: str) -> str:
+    """The line a point belongs to: its name without the ratio (``snapkv_r75_int4`` -> ``snapkv+int4``)."""
+    base = re.sub(r"_r\d+", "", name)
+    return base.replace("_int4", "+int4") if not base.startswith("quant") else "quant"
+
+
+def from_record(record: dict) -> Point | None:
+    """The record as a ``Point``; None for a record that is not a finished leaderboard point."""
+    name = point_name(record.get("run_dir", ""))
+    metrics = record.get("metrics") or {}
+    if record.get("status") != "ok" or name is None or "cache_ratio" not in metrics:
+        return None
+    scores = {
+        (c["task"], int(c["index"])): float(c["score"]) for c in metrics.get("cases") or [] if "score" in c
+    }
+    mode = bool(record["config"]["task"].get("question_in_prompt", True))
+    return Point(
+        name, method_of(name), mode, float(metrics["cache_ratio"]), scores, Path(record["run_dir"]).name
+    )
+
+
+def load(root: Path, pattern: str = f"{RUNS}/*") -> list[Point]:
+    from kvcompress.harness.docgen.records import load_records
+
+    points = [from_record(r) for r in load_records(root, pattern)]
+    return [p for p in points if p is not None and p.scores]
+
+
+def score(scores: dict, keys: list | None = None) -> float:
+    """Mean over tasks of each task's mean score over ``keys`` (default: every sample)."""
+    by_task = defaultdict(list)
+    for key in keys if keys is not None else scores:
+        by_task[key[0]].append(scores[key])
+    return float(np.mean([np.mean(v) for v in by_task.values()]))
+
+
+def _resampled(keys: list, rng: np.random.Generator) -> list[np.ndarray]:
+    """Bootstrap index draws within each task: ``BOOTSTRAP`` rows per task, columns index that task's keys."""
+    by_task = defaultdict(list)
+    for i, key in enumerate(keys):
+        by_task[key[0]].append(i)
+    return [np.asarray(idx)[rng.integers(0, len(idx), (BOOTSTRAP, len(idx)))] for idx in by_task.values()]
+
+
+def bootstrap(values: np.ndarray, keys: list) -> tuple[float, float, float]:
+    """Task-averaged mean of ``values`` (one per key) with a 95% percentile bootstrap over samples."""
+    draws = _resampled(keys, np.random.default_rng(SEED))
+    means = np.mean([values[d].mean(axis=1) for d in draws], axis=0)
+    tasks = defaultdict(list)
+    for v, key in zip(values, keys, strict=True):
+        tasks[key[0]].append(v)
+    mean = float(np.mean([np.mean(v) for v in tasks.values()]))
+    low, high = np.percentile(means, [2.5, 97.5])
+    return mean, float(low), float(high)
+
+
+def row(point: Point, full: Point | None) -> dict:
+    """The table row of ``point``: its score with an interval, and its difference from ``full`` paired on
+    the samples both answered (none when there is no ``full`` record in its mode)."""
+    keys = sorted(point.scores)
+    mean, low, high = bootstrap(np.array([point.scores[k] for k in keys]), keys)
+    out = {"method": point.method, "point": point.name, "mode": MODES[point.question_in_prompt],
+           "samples": len(keys), "bytes": point.cache_ratio, "score": mean, "score_low": low,
+           "score_high": high}  # fmt: skip
+    shared = sorted(set(keys) & set(full.scores)) if full is not None and full is not point else []
+    if shared:
+        diff = np.array([point.scores[k] - full.scores[k] for k in shared])
+        d, d_low, d_high = bootstrap(diff, shared)
+        out |= {"paired": len(shared), "diff": d, "diff_low": d_low, "diff_high": d_high,
+                "noise": d_low <= 0 <= d_high}  # fmt: skip
+    return out
+
+
+def rows(points: list[Point]) -> list[dict]:
+    """Every point's row, best first within each question mode (prompt mode first)."""
+    fulls = {p.question_in_prompt: p for p in points if p.name == "full"}
+    out = [row(p, fulls.get(p.question_in_prompt)) for p in points]
+    return sorted(out, key=lambda r: (r["mode"] != MODES[True], -r["score"], r["bytes"], r["point"]))
+
+
+def digest(table_rows: list[dict]) -> str:
+    """A short hash of what the figure plots (rounded as the table prints it)."""
+    keys = ("point", "mode", "samples", "bytes", "score", "score_low", "score_high")
+    data = [[r[k] if isinstance(r[k], (str, int)) else round(r[k], 4) for k in keys] for r in table_rows]
+    return hashlib.sha256(json.dumps(data).encode()).hexdigest()[:16]
+
+
+def _cell(value: float, low: float, high: float, signed: bool = False) -> str:
+    fmt = "{:+.3f}" if signed else "{:.3f}"
+    return f"{fmt.format(value)} [{fmt.format(low)}, {fmt.format(high)}]"
+
+
+def markdown(table_rows: list[dict]) -> str:
+    """The leaderboard table: score and difference from ``full`` with 95% bootstrap intervals."""
+    head = ("| mode | method | point | samples | bytes held / full | score [95%] | vs full, paired [95%] "
+            "| verdict |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+    lines = [head]
+    for r in table_rows:
+        if "diff" in r:
+            versus = _cell(r["diff"], r["diff_low"], r["diff_high"], signed=True) + f" (n={r['paired']})"
+            verdict = "inside the noise" if r["noise"] else ("better" if r["diff"] > 0 else "worse")
+        else:
+            versus, verdict = "", "reference" if r["point"] == "full" else "no full record"
+        lines.append(
+            f"| {r['mode']} | {r['method']} | `{r['point']}` | {r['samples']} | {r['bytes']:.3f} | "
+            f"{_cell(r['score'], r['score_low'], r['score_high'])} | {versus} | {verdict} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(table_rows: list[dict], path: Path, data_digest: str) -> Path:
+    """Score against bytes held, one line per method, a panel per question mode, 95% bars; the PNG's
+    ``Description`` holds ``data_digest``."""
+    from kvcompress.harness.plots import _pyplot
+
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    methods = sorted({r["method"] for r in table_rows if r["point"] != "full"})
+    colors = {m: plt.get_cmap("tab20")(i % 20) for i, m in enumerate(methods)}
+    for ax, mode in zip(axes, MODES.values(), strict=True):
+        mine = [r for r in table_rows if r["mode"] == mode]
+        for method in methods:
+            line = sorted((r for r in mine if r["method"] == method), key=lambda r: r["bytes"])
+            if not line:
+                continue
+            xs, ys = [r["bytes"] for r in line], [r["score"] for r in line]
+            yerr = [[r["score"] - r["score_low"] for r in line], [r["score_high"] - r["score"] for r in line]]
+            ax.errorbar(
+                xs, ys, yerr=yerr, marker="o", ms=4, lw=1, capsize=2, color=colors[method], label=method
+            )
+        for r in (r for r in mine if r["point"] == "full"):
+            bar = [[r["score"] - r["score_low"]], [r["score_high"] - r["score"]]]
+            ax.errorbar(
+                [r["bytes"]], [r["score"]], yerr=bar, marker="*", ms=12, color="k", capsize=3, label="full"
+            )
+        ax.set(xscale="log", xlabel="bytes held / full (log)", title=mode)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("RULER score (mean over tasks)")
+    axes[1].legend(fontsize=7, loc="lower right", ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, metadata={"Description": f"leaderboard data {data_digest}"})
+    plt.close(fig)
+    return path
+
+
+def figure_digest(path: Path) -> str | None:
+    """The data digest a leaderboard PNG was written with (None: no such file or no digest)."""
+    from PIL import Image
+
+    if not path.is_file():
+        return None
+    text = Image.open(path).text.get("Description", "")
+    return text.removeprefix("leaderboard data ") if text.startswith("leaderboard data ") else None
+
+
+def block(args: list[str], options: dict, root: Path, md_path: Path) -> str | None:
+    """``leaderboard PATTERN out=PATH [pending]``: the figure (written to PATH, relative to the Markdown
+    file) and the table of the records; the digest line ties the two to the records."""
+    from kvcompress.harness.docgen.records import load_records, provenance
+
+    pattern = args[0] if args else f"{RUNS}/*"
+    points = load(root, pattern)
+    if not points:
+        return f"_No leaderboard records yet in `{pattern}`._" if "pending" in args else None
+    table_rows = rows(points)
+    data = digest(table_rows)
+    if options.get("_write", True):
+        plot(table_rows, md_path.parent / options["out"], data)
+    records = [r for r in load_records(root, pattern) if point_name(r["run_dir"])]
+    return (
+        f"![RULER score against bytes held, both question modes]({options['out']})\n\n"
+        + markdown(table_rows)
+        + f"\n\n_Figure and table data `{data}` (the PNG's Description holds it). Intervals: 95% percentile "
+        f"bootstrap over samples within each task ({BOOTSTRAP} draws); `vs full` pairs each point with "
+        f"`full` on the samples both answered in the same mode. Regenerate: `make leaderboard`._\n\n"
+        + provenance(records, pattern)
+    )
+
+
+def main() -> None:
+    """``make leaderboard``: rewrite the leaderboard blocks (figure and table) of ``docs/results.md``."""
+    from kvcompress.harness.docgen.blocks import regenerate
+    from kvcompress.harness.results import PACKAGE_ROOT
+
+    report = regenerate(PACKAGE_ROOT, files=[PACKAGE_ROOT / "docs" / "results.md"])
+    print(f"docs/results.md: {report.blocks} blocks, changed: {report.changed or 'none'}")
+
+
+if __name__ == "__main__":
+    main()
