@@ -41,7 +41,14 @@ def test_sweep_and_experiment_configs_compose_as_named_multiruns(group):
             continue
         cfg = _compose(f"{group}={path.stem}")
         assert cfg.hydra.mode.name == "MULTIRUN" and cfg.hydra.sweeper.params, path.name
-        assert cfg.sweep_name and cfg.hydra.sweep.dir == f"multirun/{cfg.sweep_name}"
+        runs = (
+            "experiments/leaderboard/runs"
+            if cfg.sweep_name == "leaderboard"
+            else f"multirun/{cfg.sweep_name}"
+        )
+        assert (
+            cfg.sweep_name and cfg.hydra.sweep.dir == f"{Path.cwd()}/{runs}"
+        )  # absolute: jobs start anywhere
 
 
 def test_quant_bits_sweeps_bits_8_4_2_of_the_quant_policy():
@@ -65,7 +72,7 @@ def test_slurm_launcher_preset_and_joblib_compose():
     slurm = _compose("hydra/launcher=slurm", "hydra.launcher.partition=gpu", "sweep_name=s").hydra.launcher
     assert slurm._target_.endswith("SlurmLauncher") and slurm.partition == "gpu"
     assert slurm.gpus_per_node == 1 and slurm.timeout_min == 240
-    assert slurm.submitit_folder == "multirun/s/.submitit/%j"
+    assert slurm.submitit_folder == f"{Path.cwd()}/multirun/s/.submitit/%j"
     joblib = _compose("hydra/launcher=joblib", "hydra.launcher.n_jobs=2").hydra.launcher
     assert joblib._target_.endswith("JoblibLauncher") and joblib.n_jobs == 2
 

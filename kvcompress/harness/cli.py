@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import hydra
@@ -14,6 +15,19 @@ from kvcompress.harness.sweep import run_dirname
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 OmegaConf.register_new_resolver("kvc_dirname", run_dirname, replace=True)  # used by hydra.sweep.subdir
+
+
+def cuda_gpus() -> int:
+    """1 where this machine has a CUDA GPU, else 0: the GPUs a Ray job asks for (conf/hydra/launcher/ray)."""
+    import torch
+
+    return int(torch.cuda.is_available())
+
+
+OmegaConf.register_new_resolver("kvc_cuda_gpus", cuda_gpus, replace=True)
+# conf/hydra/launcher/ray.yaml presets the Ray plugin's own config of that name, on purpose: Hydra 1.3 still
+# validates it against the plugin's schema and says so on every run
+warnings.filterwarnings("ignore", message=r"(?s).*'hydra/launcher/ray' is validated against ConfigStore")
 
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
