@@ -102,6 +102,9 @@ def run(model, tokenizer, policy, cfg) -> dict:
     seconds = time.perf_counter() - start  # lm-eval's whole evaluation: building requests and scoring
     cpu = time.process_time() - cpu  # this process's CPU time: what a shared machine's load does not inflate
     metrics = flatten_results(out)
+    scores = [v for k, v in metrics.items() if k.endswith("/score")]
+    if scores and len(scores) == len(tasks):  # RULER-style tasks: their mean, one number to rank or optimise
+        metrics["score"] = sum(scores) / len(scores)
     stats = lm.kvc_stats
     metrics.update({k: stats[k] for k in ("chunk_size", "requests", "forward_calls", "tokens")})
     metrics |= {"batch_size": lm.batch_size, "eval_s": seconds, "requests_per_s": stats["requests"] / seconds,

@@ -36,7 +36,28 @@ def _main(cfg: DictConfig) -> None:
 
     hydra_cfg = HydraConfig.get()
     # In a sweep a failed run is recorded and the sweep goes on; the end-of-sweep callback reports it.
-    run_experiment(cfg, Path(hydra_cfg.runtime.output_dir), raise_errors=hydra_cfg.mode != RunMode.MULTIRUN)
+    record = run_experiment(
+        cfg, Path(hydra_cfg.runtime.output_dir), raise_errors=hydra_cfg.mode != RunMode.MULTIRUN
+    )
+    return objectives(record, cfg.get("objectives"))
+
+
+def objectives(record: dict, names) -> list[float] | None:
+    """The metrics ``names`` of a finished run, in order: what a sweeper that optimises (``sweep=frontier``,
+    Optuna) reads back from each job. None without names; a failed run, or a metric it lacks, raises (the
+    sweeper records a failed trial)."""
+    if not names:
+        return None
+    if record.get("status") != "ok":
+        raise RuntimeError(f"objectives: the run did not finish ok ({record.get('error')})")
+    metrics = record.get("metrics") or {}
+    numbers = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+    missing = [name for name in names if name not in numbers]
+    if missing:
+        raise ValueError(
+            f"objectives={list(names)}: the run recorded no number for {missing}; it has {numbers}"
+        )
+    return [float(metrics[name]) for name in names]
 
 
 SUBCOMMANDS = {"bench": "task=bench", "compare": "task=compare"}
