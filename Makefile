@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 RUN_DIR ?= multirun/make-run
 
-.PHONY: install run test test-compat test-portable test-fast lint bench bench-quant results clean
+.PHONY: install run test test-compat test-portable test-fast lint bench bench-quant results leaderboard clean
 
 # transformers: `make install` gets the newest release the range in pyproject.toml allows; these are the
 # other minor releases it allows, each checked by `make test-compat` in its own venv (same torch).
@@ -62,6 +62,10 @@ bench-scores: install
 # Every results table in README.md, docs/ and experiments/*/README.md, regenerated from committed records.
 results: install
 	$(BIN)/python scripts/collect.py --docs
+
+# The leaderboard's figure and table in docs/results.md, from experiments/leaderboard/runs (no run).
+leaderboard: install
+	$(BIN)/python -m kvcompress.harness.leaderboard
 
 # Style, formatting, and the package's layers (.importlinter: no import upward, no cycles).
 lint: install

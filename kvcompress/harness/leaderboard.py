@@ -36,6 +36,7 @@ class Point:
     cache_ratio: float
     scores: dict[tuple[str, int], float] = field(default_factory=dict)  # (task, index) -> score
     run: str = ""
+    docs: dict[tuple[str, int], str] = field(default_factory=dict)  # (task, index) -> document hash
 
     @property
     def tasks(self) -> list[str]:
@@ -60,13 +61,25 @@ def from_record(record: dict) -> Point | None:
     metrics = record.get("metrics") or {}
     if record.get("status") != "ok" or name is None or "cache_ratio" not in metrics:
         return None
-    scores = {
-        (c["task"], int(c["index"])): float(c["score"]) for c in metrics.get("cases") or [] if "score" in c
-    }
+    cases = [c for c in metrics.get("cases") or [] if "score" in c and "index" in c]
+    scores = {(c["task"], int(c["index"])): float(c["score"]) for c in cases}
+    docs = {(c["task"], int(c["index"])): c["doc"] for c in cases if "doc" in c}
     mode = bool(record["config"]["task"].get("question_in_prompt", True))
-    return Point(
-        name, method_of(name), mode, float(metrics["cache_ratio"]), scores, Path(record["run_dir"]).name
-    )
+    run = Path(record["run_dir"]).name
+    return Point(name, method_of(name), mode, float(metrics["cache_ratio"]), scores, run, docs)
+
+
+def shared_samples(point: Point, full: Point) -> list[tuple[str, int]]:
+    """The samples both answered; refuses a pair whose documents differ (other data under the same index)."""
+    shared = sorted(set(point.scores) & set(full.scores))
+    differ = [k for k in shared if k in point.docs and k in full.docs and point.docs[k] != full.docs[k]]
+    if differ:
+        raise ValueError(
+            f"leaderboard: {point.run} and {full.run} answered different documents under the same index "
+            f"({len(differ)} of {len(shared)}, first {differ[0]}): other lengths, seeds or generators "
+            "cannot be paired"
+        )
+    return shared
 
 
 def load(root: Path, pattern: str = f"{RUNS}/*") -> list[Point]:
@@ -112,7 +125,7 @@ def row(point: Point, full: Point | None) -> dict:
     out = {"method": point.method, "point": point.name, "mode": MODES[point.question_in_prompt],
            "samples": len(keys), "bytes": point.cache_ratio, "score": mean, "score_low": low,
            "score_high": high}  # fmt: skip
-    shared = sorted(set(keys) & set(full.scores)) if full is not None and full is not point else []
+    shared = shared_samples(point, full) if full is not None and full is not point else []
     if shared:
         diff = np.array([point.scores[k] - full.scores[k] for k in shared])
         d, d_low, d_high = bootstrap(diff, shared)

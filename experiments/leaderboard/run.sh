@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The leaderboard (docs/results.md#leaderboard): the headline points of conf/sweep/leaderboard.yaml at 30
+# samples per task, then the 0.5 points and the 0.9 points of the three best selectors at 10, all on the
+# offline RULER suite at 1024 tokens in both question modes. Records: experiments/leaderboard/runs/; then
+# `make leaderboard`. Resumable (resume: any): a finished point is never run again; one point at a time
+# per process.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+K="${PYTHON:-.venv/bin/python} -m kvcompress -m sweep=leaderboard"
+HEADLINE=(full snapkv_r75 kvzip_r75 expected_attention_r75 h2o_r75 tova_r75 pyramidkv_r75 block_evict_r75
+  sliding_window_r75 snapkv_r75_int4 kvzip_r75_int4 expected_attention_r75_int4 quant_int4 quant_int2 tiered
+  low_rank)
+HALF=(snapkv_r50 kvzip_r50 expected_attention_r50 h2o_r50 tova_r50 pyramidkv_r50 block_evict_r50
+  sliding_window_r50)
+NINETY=(${NINETY:-kvzip_r90 snapkv_r90 expected_attention_r90})  # the three best at 0.75 (README)
+for p in "${HEADLINE[@]}"; do $K point="$p"; done
+for p in "${HALF[@]}" "${NINETY[@]}"; do $K point="$p" task.limit=10; done
+${PYTHON:-.venv/bin/python} -m kvcompress.harness.leaderboard
