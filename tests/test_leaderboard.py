@@ -51,6 +51,7 @@ def test_rows_pair_each_point_with_full_on_the_shared_samples(tmp_path):
     assert few["paired"] == few["samples"] == 10 and few["diff"] == pytest.approx(0.0)
     assert lost["method"] == "snapkv" and rows["h2o_r50"]["method"] == rows["h2o_r75"]["method"] == "h2o"
     assert lb.method_of("kvzip_r75_int4") == "kvzip+int4" and lb.method_of("quant_int2") == "quant"
+    assert lb.method_of("tiered") == "tiered (device bytes)"
     table = lb.markdown(lb.rows(lb.load(tmp_path)))
     assert "| question in prompt | snapkv | `snapkv_r75` | 40 | 0.250 | 0.000 [0.000, 0.000] |" in table
     assert "worse" in table and "inside the noise" in table and "reference" in table

@@ -52,6 +52,8 @@ def point_name(run_dir: str) -> str | None:
 def method_of(name: str) -> str:
     """The line a point belongs to: its name without the ratio (``snapkv_r75_int4`` -> ``snapkv+int4``)."""
     base = re.sub(r"_r\d+", "", name)
+    if base == "tiered":  # its memory_bytes() is the device tier: the cold pages sit in the host tier
+        return "tiered (device bytes)"
     return base.replace("_int4", "+int4") if not base.startswith("quant") else "quant"
 
 
@@ -177,6 +179,8 @@ def plot(table_rows: list[dict], path: Path, data_digest: str) -> Path:
     from kvcompress.harness.plots import _pyplot
 
     plt = _pyplot()
+    from matplotlib.ticker import FuncFormatter
+
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
     methods = sorted({r["method"] for r in table_rows if r["point"] != "full"})
     colors = {m: plt.get_cmap("tab20")(i % 20) for i, m in enumerate(methods)}
@@ -196,8 +200,10 @@ def plot(table_rows: list[dict], path: Path, data_digest: str) -> Path:
             ax.errorbar(
                 [r["bytes"]], [r["score"]], yerr=bar, marker="*", ms=12, color="k", capsize=3, label="full"
             )
-        ax.set(xscale="log", xlabel="bytes held / full (log)", title=mode)
-        ax.grid(alpha=0.3)
+        ax.set(xscale="log", xlabel="bytes held / full (log)", title=mode, ylim=(-0.02, 1.02))
+        ax.set_xlim(min(r["bytes"] for r in table_rows) * 0.8, 1.25)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
+        ax.grid(alpha=0.3, which="both")
     axes[0].set_ylabel("RULER score (mean over tasks)")
     axes[1].legend(fontsize=7, loc="lower right", ncol=2)
     fig.tight_layout()

@@ -24,9 +24,18 @@ def test_flatten_results_names_filters_only_when_a_metric_has_several():
     samples = {
         "b": [{"doc": {"depth": 0.5, "length": 64, "id": "x", "context": "long"}, "em": 1.0, "ppl": 2}]
     }
-    assert cases({"results": results["results"], "samples": samples}) == [
-        {"task": "b", "depth": 0.5, "length": 64, "id": "x", "em": 1.0, "ppl": 2.0}
+    rows = cases({"results": results["results"], "samples": samples})
+    assert rows == [
+        {"task": "b", "depth": 0.5, "length": 64, "id": "x", "doc": rows[0]["doc"], "em": 1.0, "ppl": 2.0}
     ]
+    other = {"b": [{**samples["b"][0], "doc": {**samples["b"][0]["doc"], "context": "other"}}]}
+    assert (
+        cases({"results": results["results"], "samples": other})[0]["doc"] != rows[0]["doc"]
+    )  # a hash of it
+    ruler = {
+        "b": [{"doc": {"index": 7, "input": "x"}, "em": 0.5}]
+    }  # RULER documents carry an index, no depth
+    assert cases({"results": results["results"], "samples": ruler})[0]["index"] == 7
 
 
 def test_hydra_task_scores_niah_and_records_cache_bytes(fake_cache, tiny_checkpoint):
@@ -42,7 +51,7 @@ def test_hydra_task_scores_niah_and_records_cache_bytes(fake_cache, tiny_checkpo
     metrics = run(model, tok, policy, cfg)
     assert 0.0 <= metrics["kvc_niah/exact_match"] <= 1.0 and metrics["requests"] == 3
     assert [c["depth"] for c in metrics["cases"]] == [0.0, 0.0, 0.25] and metrics["cases"][0]["length"] == 256
-    assert set(metrics["cases"][0]) == {"task", "depth", "length", "id", "exact_match"}
+    assert set(metrics["cases"][0]) == {"task", "depth", "length", "id", "doc", "exact_match"}
     cfg_ = model.config
     kept_bytes = 2 * cfg_.num_hidden_layers * cfg_.num_key_value_heads * 32 * (cfg_.hidden_size // 4) * 4
     assert metrics["cache_bytes"] == kept_bytes and metrics["full_cache_bytes"] > 4 * kept_bytes
