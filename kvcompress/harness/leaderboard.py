@@ -179,7 +179,7 @@ def plot(table_rows: list[dict], path: Path, data_digest: str) -> Path:
     from kvcompress.harness.plots import _pyplot
 
     plt = _pyplot()
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
     methods = sorted({r["method"] for r in table_rows if r["point"] != "full"})
@@ -202,10 +202,15 @@ def plot(table_rows: list[dict], path: Path, data_digest: str) -> Path:
             )
         ax.set(xscale="log", xlabel="bytes held / full (log)", title=mode, ylim=(-0.02, 1.02))
         ax.set_xlim(min(r["bytes"] for r in table_rows) * 0.8, 1.25)
+        ax.set_xticks([t for t in (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0) if t >= ax.get_xlim()[0]])
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(alpha=0.3, which="both")
     axes[0].set_ylabel("RULER score (mean over tasks)")
-    axes[1].legend(fontsize=7, loc="lower right", ncol=2)
+    handles = {}  # every method once, from whichever panel drew it
+    for ax in axes:
+        handles |= dict(zip(*reversed(ax.get_legend_handles_labels()), strict=True))
+    axes[1].legend(handles.values(), handles.keys(), fontsize=7, loc="lower right", ncol=2)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, metadata={"Description": f"leaderboard data {data_digest}"})
