@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvcompress.harness import leaderboard as lb
+from kvcompress.harness.docgen.leaderboard import block
 from kvcompress.resources.files import write_json_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +81,7 @@ def test_block_writes_a_figure_whose_digest_is_the_tables(tmp_path):
     _write(tmp_path, "full", _scores([1.0] * 8, [0.0] * 8), 1.0, prompt=False)
     _write(tmp_path, "snapkv_r75", _scores([1.0] * 8, [1.0] * 8), 0.25, prompt=False)
     md = tmp_path / "docs" / "results.md"
-    body = lb.block([f"{lb.RUNS}/*"], {"out": "figures/leaderboard.png"}, tmp_path, md)
+    body = block([f"{lb.RUNS}/*"], {"out": "figures/leaderboard.png"}, tmp_path, md)
     digest = lb.digest(lb.rows(lb.load(tmp_path)))
     assert f"`{digest}`" in body and lb.figure_digest(tmp_path / "docs/figures/leaderboard.png") == digest
     assert "| question after | snapkv | `snapkv_r75` | 16 | 0.250 |" in body

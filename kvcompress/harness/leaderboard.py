@@ -6,7 +6,8 @@ is the mean over tasks of each task's mean sample score (RULER's average); its i
 from ``full`` (the same samples, the same question mode) are percentile bootstraps over samples, resampled
 within each task (the paired one resamples the pairs). ``make leaderboard`` writes the figure and the table
 of ``docs/results.md`` from the records; the table carries a digest of the figure's data, stored in the
-PNG too, so a test can tell when either differs from the records.
+PNG too, so a test can tell when either differs from the records (the block:
+``kvcompress.harness.docgen.leaderboard``).
 """
 
 from __future__ import annotations
@@ -84,9 +85,17 @@ def shared_samples(point: Point, full: Point) -> list[tuple[str, int]]:
     return shared
 
 
-def load(root: Path, pattern: str = f"{RUNS}/*") -> list[Point]:
-    from kvcompress.harness.docgen.records import load_records
+def load_records(root: Path, pattern: str = f"{RUNS}/*") -> list[dict]:
+    """The ``ok`` records of the run folders matching ``pattern`` (relative to ``root``), with ``run_dir``."""
+    found = []
+    for path in sorted(Path(root).glob(f"{pattern}/results.json")):
+        record = json.loads(path.read_text())
+        if record.get("status") == "ok":
+            found.append({**record, "run_dir": str(path.parent)})
+    return found
 
+
+def load(root: Path, pattern: str = f"{RUNS}/*") -> list[Point]:
     points = [from_record(r) for r in load_records(root, pattern)]
     return [p for p in points if p is not None and p.scores]
 
@@ -226,40 +235,3 @@ def figure_digest(path: Path) -> str | None:
         return None
     text = Image.open(path).text.get("Description", "")
     return text.removeprefix("leaderboard data ") if text.startswith("leaderboard data ") else None
-
-
-def block(args: list[str], options: dict, root: Path, md_path: Path) -> str | None:
-    """``leaderboard PATTERN out=PATH [pending]``: the figure (written to PATH, relative to the Markdown
-    file) and the table of the records; the digest line ties the two to the records."""
-    from kvcompress.harness.docgen.records import load_records, provenance
-
-    pattern = args[0] if args else f"{RUNS}/*"
-    points = load(root, pattern)
-    if not points:
-        return f"_No leaderboard records yet in `{pattern}`._" if "pending" in args else None
-    table_rows = rows(points)
-    data = digest(table_rows)
-    if options.get("_write", True):
-        plot(table_rows, md_path.parent / options["out"], data)
-    records = [r for r in load_records(root, pattern) if point_name(r["run_dir"])]
-    return (
-        f"![RULER score against bytes held, both question modes]({options['out']})\n\n"
-        + markdown(table_rows)
-        + f"\n\n_Figure and table data `{data}` (the PNG's Description holds it). Intervals: 95% percentile "
-        f"bootstrap over samples within each task ({BOOTSTRAP} draws); `vs full` pairs each point with "
-        f"`full` on the samples both answered in the same mode. Regenerate: `make leaderboard`._\n\n"
-        + provenance(records, pattern)
-    )
-
-
-def main() -> None:
-    """``make leaderboard``: rewrite the leaderboard blocks (figure and table) of ``docs/results.md``."""
-    from kvcompress.harness.docgen.blocks import regenerate
-    from kvcompress.harness.results import PACKAGE_ROOT
-
-    report = regenerate(PACKAGE_ROOT, files=[PACKAGE_ROOT / "docs" / "results.md"])
-    print(f"docs/results.md: {report.blocks} blocks, changed: {report.changed or 'none'}")
-
-
-if __name__ == "__main__":
-    main()

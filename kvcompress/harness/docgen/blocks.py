@@ -42,8 +42,7 @@ def parse_spec(spec: str) -> tuple[str, list[str], dict]:
 
 def render(spec: str, root: Path, md_path: Path, write: bool = True) -> str | None:
     """The block's new body, or None when the block is to be dropped (its records are gone)."""
-    from kvcompress.harness import leaderboard
-    from kvcompress.harness.docgen import catalog, compare, decode, generation, records
+    from kvcompress.harness.docgen import catalog, compare, decode, generation, leaderboard, records
 
     kind, args, options = parse_spec(spec)
     kinds = {
