@@ -144,7 +144,8 @@ class KVCompressLM(CalibrationGuard, HFLM):
         attn_backend: kernel behind kvcompress's attention function (``sdpa`` or ``eager``).
         question_in_prompt: ``False`` compresses each generation prompt's context alone and feeds its
             question after (``kvcompress.eval.question``); ``True`` (default) prefills the prompt whole.
-        question_start: regex of where a prompt's question begins (its last match), for the mode above.
+        question_start: regex of where a prompt's question begins (its last match), for the mode above;
+            ``None``: ``question.QUESTION_START``.
         linears: ``"packed"`` runs the model's linear layers on oneDNN with weights packed once (CPU,
             float32; ``kvcompress.resources.packed_linears``), ``None`` or ``"default"`` leaves them.
         **kwargs: ``hf`` model args (``max_length``, ``dtype``, ``batch_size``...) and policy fields.
@@ -155,7 +156,7 @@ class KVCompressLM(CalibrationGuard, HFLM):
         self, pretrained=DEFAULT_MODEL, policy="full", chunk_size=1, attn_backend=None, linears=None, **kwargs
     ):
         self.question_in_prompt = parse_mode(kwargs.pop("question_in_prompt", True))
-        self.question_start = str(kwargs.pop("question_start", QUESTION_START))
+        self.question_start = str(kwargs.pop("question_start", None) or QUESTION_START)
         policy, kwargs = split_policy_args(policy, kwargs)
         if int(chunk_size) < 1:
             raise ValueError(f"chunk_size={chunk_size} must be an integer >= 1")

@@ -75,9 +75,6 @@ def run(model, tokenizer, policy, cfg) -> dict:
     from kvcompress.eval.taskdata import task_manager
 
     tasks = list(_plain(cfg.tasks))
-    question = {"question_in_prompt": cfg.get("question_in_prompt", True)}
-    if cfg.get("question_start"):
-        question["question_start"] = cfg.question_start
     lm = KVCompressLM(
         pretrained=model,
         tokenizer=tokenizer,
@@ -85,7 +82,8 @@ def run(model, tokenizer, policy, cfg) -> dict:
         chunk_size=cfg.chunk_size,
         max_length=cfg.get("max_length"),
         batch_size=cfg.get("batch_size", 1),
-        **question,
+        question_in_prompt=cfg.get("question_in_prompt", True),
+        question_start=cfg.get("question_start"),
     )
     start, cpu = time.perf_counter(), time.process_time()
     out = lm_eval.simple_evaluate(

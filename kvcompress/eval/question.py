@@ -33,7 +33,8 @@ def parse_mode(question_in_prompt) -> bool:
 
 def question_index(tokenizer, ids: list[int], pattern: str = QUESTION_START) -> int:
     """Index of the first token of the question in ``ids``: the token whose text holds the start of the
-    last match of ``pattern`` (the newline before it stays with the context). Refuses a prompt without one."""
+    last match of ``pattern`` (whitespace the match opens with, such as the default's newline, stays with the
+    context). Refuses a prompt without one."""
     text = tokenizer.decode(ids)
     matches = list(re.finditer(pattern, text))
     if not matches:
@@ -41,7 +42,8 @@ def question_index(tokenizer, ids: list[int], pattern: str = QUESTION_START) -> 
             f"question_in_prompt=false: no question found in a prompt (question_start={pattern!r} does not "
             f"match its text ending {text[-120:]!r}); set question_start to where the task's question begins"
         )
-    cut = matches[-1].start() + 1  # the question's own first character, after the newline
+    found = matches[-1].group()
+    cut = matches[-1].start() + len(found) - len(found.lstrip())  # its own first character, past any newline
     lo, hi = 0, len(ids)  # the largest q whose decoded prefix ends at or before the cut
     while lo < hi:
         mid = (lo + hi + 1) // 2

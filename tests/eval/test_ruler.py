@@ -88,6 +88,10 @@ def test_question_index_finds_the_last_question_and_refuses_none(tokenizer):
     q = question_index(tokenizer, ids)
     assert tokenizer.decode(ids[q:]).startswith("What is the special magic number")
     assert tokenizer.decode(ids[:q]).endswith("The grass is green.\n")
+    own = tokenizer("Some text. Q: is it? The grass is green. Q: which number?")["input_ids"]
+    mine = question_index(tokenizer, own, r"Q: which")  # a pattern that opens with no newline
+    assert tokenizer.decode(own[mine:]).lstrip().startswith("Q: which")
+    assert "which" not in tokenizer.decode(own[:mine])
     with pytest.raises(ValueError, match="question_start"):
         question_index(tokenizer, tokenizer("no question here at all")["input_ids"])
     assert parse_mode("False") is False and parse_mode(True) is True
@@ -123,9 +127,20 @@ def test_question_after_compresses_the_context_alone(real_model, tokenizer):
 
 
 @pytest.mark.slow
-def test_full_gives_the_same_answers_in_both_question_modes():
+def test_full_gives_the_same_answers_in_both_question_modes(monkeypatch):
+    from kvcompress.eval import adapter
+
+    splits = []  # the requests the adapter compressed without their question
+
+    def counted(*args, **kwargs):
+        splits.append(compress_then_feed(*args, **kwargs))
+        return splits[-1]
+
+    monkeypatch.setattr(adapter, "compress_then_feed", counted)
     prompt = _run("kvcompress", "kvc_ruler_niah_single", 2, policy="full")
+    assert splits == []
     after = _run("kvcompress", "kvc_ruler_niah_single", 2, policy="full", question_in_prompt="false")
+    assert len(splits) == 2  # every request of the question-after run took that path
     assert [s["resps"] for s in after["samples"]["kvc_ruler_niah_single"]] == [
         s["resps"] for s in prompt["samples"]["kvc_ruler_niah_single"]
     ]
