@@ -113,3 +113,20 @@ def test_a_policy_class_no_yaml_names_is_refused_by_name():
 
     with pytest.raises(ValueError, match="Unregistered has no registry name: add conf/policy/<name>.yaml"):
         Unregistered()
+
+
+@pytest.mark.integration
+def test_every_leaderboard_point_builds_a_cache_on_the_embedded_model(real_model):
+    """Each conf/point file composes, and its policy over its storage builds on the embedded default: a
+    point a policy refuses (a decode-time evictor over per-channel key groups) would otherwise fail only
+    once a sweep reaches it."""
+    from kvcompress import build_cache
+    from kvcompress.harness.app import run_policy
+
+    for path in sorted((CONF / "point").glob("*.yaml")):
+        cfg = OmegaConf.to_container(_compose(f"point={path.stem}", hydra_cfg=False), resolve=True)
+        policy = run_policy(cfg)
+        cache = build_cache(policy, real_model[0])  # raises, naming the policy, where it cannot serve
+        assert len(cache.layers) == real_model[0].config.num_hidden_layers, path.stem
+        if cfg.get("storage"):
+            assert policy.storage.bits == cfg["storage"]["bits"], path.stem

@@ -21,11 +21,7 @@ import numpy as np
 
 DEFAULT_LENGTHS = (1024,)
 VT_MIN_LENGTH = 1024
-NIAH_TEMPLATE = (
-    "Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. I "
-    "will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic "
-    "{type_needle_v} for {query} mentioned in the provided text?"
-)
+
 
 
 def _tokenizer_name(kwargs: dict) -> str:
@@ -51,6 +47,7 @@ def _dataset(rows) -> dict:
 
 
 def _niah(kwargs: dict, haystack: str = "repeat", **needles) -> dict:
+    from lm_eval.tasks.ruler.niah_utils import TEMPLATE  # lm-eval's own needle prompt
     from lm_eval.tasks.ruler.prepare_niah import generate_samples, get_haystack
 
     tokenizer, lengths = _setup(kwargs)
@@ -59,7 +56,7 @@ def _niah(kwargs: dict, haystack: str = "repeat", **needles) -> dict:
         rows += generate_samples(
             get_haystack(type_haystack=haystack),
             max_seq_length=seq,
-            template=NIAH_TEMPLATE,
+            template=TEMPLATE,
             type_haystack=haystack,
             type_needle_k="words",
             type_needle_v="numbers",
