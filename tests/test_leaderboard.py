@@ -17,11 +17,12 @@ ROOT = Path(__file__).resolve().parents[1]
 TASKS = ("kvc_ruler_a", "kvc_ruler_b")
 
 
-def _write(root: Path, point: str, scores: dict, ratio: float, prompt: bool = True, doc: str = "d") -> None:
+def _write(root: Path, point: str, scores: dict, ratio: float, prompt: bool = True, doc: str = "d",
+           compressed: bool = True) -> None:  # fmt: skip
     """A leaderboard record: per-sample ``scores`` {(task, index): score}."""
     cases = [{"task": t, "index": i, "doc": f"{doc}{t}{i}", "score": s} for (t, i), s in scores.items()]
     record = {"status": "ok", "config": {"task": {"question_in_prompt": prompt}},
-              "metrics": {"cache_ratio": ratio, "cases": cases}}  # fmt: skip
+              "metrics": {"cache_ratio": ratio, "cases": cases, "compressed": compressed}}  # fmt: skip
     write_json_atomic(
         root / lb.RUNS / f"point={point},task.question_in_prompt={prompt}" / "results.json", record
     )
@@ -40,6 +41,7 @@ def test_rows_pair_each_point_with_full_on_the_shared_samples(tmp_path):
     _write(tmp_path, "snapkv_r75", _scores([0.0] * 20, [0.0] * 20), 0.25)  # loses everything
     _write(tmp_path, "h2o_r75", {**full, (TASKS[0], 3): 0.0}, 0.26)  # one sample lost: noise
     _write(tmp_path, "h2o_r50", {k: v for k, v in full.items() if k[1] < 5}, 0.5)  # 5 samples per task only
+    _write(tmp_path, "tova_r50", full, 1.0, compressed=False)  # a policy that never acted
     rows = {r["point"]: r for r in lb.rows(lb.load(tmp_path))}
     assert rows["full"]["score"] == pytest.approx(0.75) and "diff" not in rows["full"]
     assert rows["full"]["score_low"] < 0.75 < rows["full"]["score_high"]  # task b's samples vary
@@ -56,6 +58,8 @@ def test_rows_pair_each_point_with_full_on_the_shared_samples(tmp_path):
     table = lb.markdown(lb.rows(lb.load(tmp_path)))
     assert "| question in prompt | snapkv | `snapkv_r75` | 40 | 0.250 | 0.000 [0.000, 0.000] |" in table
     assert "worse" in table and "inside the noise" in table and "reference" in table
+    assert "| `tova_r50` | 40 | 1.000 |" in table and "**did not compress** (inside the noise) |" in table
+    assert table.count("did not compress") == 1  # full never compresses, and is the reference
 
 
 def test_bootstrap_interval_covers_the_mean_and_shrinks_with_samples():

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvcompress.harness.report import load_records
+
 RUNS = "experiments/leaderboard/runs"
 BOOTSTRAP = 2000
 SEED = 0
@@ -38,10 +40,7 @@ class Point:
     scores: dict[tuple[str, int], float] = field(default_factory=dict)  # (task, index) -> score
     run: str = ""
     docs: dict[tuple[str, int], str] = field(default_factory=dict)  # (task, index) -> document hash
-
-    @property
-    def tasks(self) -> list[str]:
-        return sorted({task for task, _ in self.scores})
+    compressed: bool = True  # the record's verdict: False where the policy never acted (flagged)
 
 
 def point_name(run_dir: str) -> str | None:
@@ -69,7 +68,8 @@ def from_record(record: dict) -> Point | None:
     docs = {(c["task"], int(c["index"])): c["doc"] for c in cases if "doc" in c}
     mode = bool(record["config"]["task"].get("question_in_prompt", True))
     run = Path(record["run_dir"]).name
-    return Point(name, method_of(name), mode, float(metrics["cache_ratio"]), scores, run, docs)
+    compressed = metrics.get("compressed") is not False
+    return Point(name, method_of(name), mode, float(metrics["cache_ratio"]), scores, run, docs, compressed)
 
 
 def shared_samples(point: Point, full: Point) -> list[tuple[str, int]]:
@@ -85,46 +85,31 @@ def shared_samples(point: Point, full: Point) -> list[tuple[str, int]]:
     return shared
 
 
-def load_records(root: Path, pattern: str = f"{RUNS}/*") -> list[dict]:
-    """The ``ok`` records of the run folders matching ``pattern`` (relative to ``root``), with ``run_dir``."""
-    found = []
-    for path in sorted(Path(root).glob(f"{pattern}/results.json")):
-        record = json.loads(path.read_text())
-        if record.get("status") == "ok":
-            found.append({**record, "run_dir": str(path.parent)})
-    return found
+def points(records: list[dict]) -> list[Point]:
+    """The leaderboard points among ``records`` (``report.load_records``), those with scored samples."""
+    found = [from_record(r) for r in records]
+    return [p for p in found if p is not None and p.scores]
 
 
 def load(root: Path, pattern: str = f"{RUNS}/*") -> list[Point]:
-    points = [from_record(r) for r in load_records(root, pattern)]
-    return [p for p in points if p is not None and p.scores]
+    return points(load_records(root, pattern))
 
 
-def score(scores: dict, keys: list | None = None) -> float:
-    """Mean over tasks of each task's mean score over ``keys`` (default: every sample)."""
-    by_task = defaultdict(list)
-    for key in keys if keys is not None else scores:
-        by_task[key[0]].append(scores[key])
-    return float(np.mean([np.mean(v) for v in by_task.values()]))
-
-
-def _resampled(keys: list, rng: np.random.Generator) -> list[np.ndarray]:
-    """Bootstrap index draws within each task: ``BOOTSTRAP`` rows per task, columns index that task's keys."""
+def _task_groups(keys: list) -> list[np.ndarray]:
+    """Indices of ``keys`` (task, index) grouped by task."""
     by_task = defaultdict(list)
     for i, key in enumerate(keys):
         by_task[key[0]].append(i)
-    return [np.asarray(idx)[rng.integers(0, len(idx), (BOOTSTRAP, len(idx)))] for idx in by_task.values()]
+    return [np.asarray(idx) for idx in by_task.values()]
 
 
 def bootstrap(values: np.ndarray, keys: list) -> tuple[float, float, float]:
-    """Task-averaged mean of ``values`` (one per key) with a 95% percentile bootstrap over samples."""
-    draws = _resampled(keys, np.random.default_rng(SEED))
-    means = np.mean([values[d].mean(axis=1) for d in draws], axis=0)
-    tasks = defaultdict(list)
-    for v, key in zip(values, keys, strict=True):
-        tasks[key[0]].append(v)
-    mean = float(np.mean([np.mean(v) for v in tasks.values()]))
-    low, high = np.percentile(means, [2.5, 97.5])
+    """Mean over tasks of each task's mean of ``values`` (one per key), with a 95% percentile bootstrap
+    that resamples ``BOOTSTRAP`` times within each task."""
+    rng, groups = np.random.default_rng(SEED), _task_groups(keys)
+    mean = float(np.mean([values[idx].mean() for idx in groups]))
+    draws = [values[idx[rng.integers(0, len(idx), (BOOTSTRAP, len(idx)))]].mean(axis=1) for idx in groups]
+    low, high = np.percentile(np.mean(draws, axis=0), [2.5, 97.5])
     return mean, float(low), float(high)
 
 
@@ -135,7 +120,7 @@ def row(point: Point, full: Point | None) -> dict:
     mean, low, high = bootstrap(np.array([point.scores[k] for k in keys]), keys)
     out = {"method": point.method, "point": point.name, "mode": MODES[point.question_in_prompt],
            "samples": len(keys), "bytes": point.cache_ratio, "score": mean, "score_low": low,
-           "score_high": high}  # fmt: skip
+           "score_high": high, "compressed": point.compressed}  # fmt: skip
     shared = shared_samples(point, full) if full is not None and full is not point else []
     if shared:
         diff = np.array([point.scores[k] - full.scores[k] for k in shared])
@@ -153,7 +138,7 @@ def rows(points: list[Point]) -> list[dict]:
 
 
 def digest(table_rows: list[dict]) -> str:
-    """A short hash of what the figure plots (rounded as the table prints it)."""
+    """A short hash of what the figure plots (to 4 decimals): it changes when any plotted value does."""
     keys = ("point", "mode", "samples", "bytes", "score", "score_low", "score_high")
     data = [[r[k] if isinstance(r[k], (str, int)) else round(r[k], 4) for k in keys] for r in table_rows]
     return hashlib.sha256(json.dumps(data).encode()).hexdigest()[:16]
@@ -175,6 +160,8 @@ def markdown(table_rows: list[dict]) -> str:
             verdict = "inside the noise" if r["noise"] else ("better" if r["diff"] > 0 else "worse")
         else:
             versus, verdict = "", "reference" if r["point"] == "full" else "no full record"
+        if not r["compressed"] and r["point"] != "full":  # a policy that never acted: its score is full's
+            verdict = f"**did not compress** ({verdict})"
         lines.append(
             f"| {r['mode']} | {r['method']} | `{r['point']}` | {r['samples']} | {r['bytes']:.3f} | "
             f"{_cell(r['score'], r['score_low'], r['score_high'])} | {versus} | {verdict} |"

@@ -162,3 +162,17 @@ def collect(root: Path) -> list[dict]:
         record["run_dir"] = str(path.parent)
         records.append(record)
     return records
+
+
+def load_records(root: Path, pattern: str) -> list[dict]:
+    """The ``ok`` records of the run folders matching ``pattern`` (a glob relative to ``root``), in natural
+    order, each with its ``run_dir``."""
+    found = []
+    for run_dir in sorted(Path(root).glob(pattern), key=_natural_key):
+        path = run_dir / RESULTS_FILE
+        if not path.is_file():
+            continue
+        record = json.loads(path.read_text())
+        if record.get("status") == "ok":
+            found.append({**record, "run_dir": str(run_dir)})
+    return found

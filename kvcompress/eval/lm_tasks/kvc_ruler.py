@@ -23,7 +23,6 @@ DEFAULT_LENGTHS = (1024,)
 VT_MIN_LENGTH = 1024
 
 
-
 def _tokenizer_name(kwargs: dict) -> str:
     from kvcompress.resources.models import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_model_dir
 

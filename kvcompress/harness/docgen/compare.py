@@ -14,8 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvcompress.harness.docgen.records import load_records
-from kvcompress.harness.report import compare_records
+from kvcompress.harness.report import compare_records, load_records
 
 
 def _run(root: Path, arg: str) -> tuple[str, dict] | None:

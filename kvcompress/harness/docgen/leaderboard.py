@@ -6,20 +6,21 @@ from pathlib import Path
 
 from kvcompress.harness import leaderboard as lb
 from kvcompress.harness.docgen.records import provenance
+from kvcompress.harness.report import load_records
 
 
 def block(args: list[str], options: dict, root: Path, md_path: Path) -> str | None:
     """``leaderboard PATTERN out=PATH [pending]``: the figure (written to PATH, relative to the Markdown
     file) and the table of the records; the digest line ties the two to the records."""
     pattern = args[0] if args else f"{lb.RUNS}/*"
-    points = lb.load(root, pattern)
+    records = [r for r in load_records(root, pattern) if lb.point_name(r["run_dir"])]
+    points = lb.points(records)
     if not points:
         return f"_No leaderboard records yet in `{pattern}`._" if "pending" in args else None
     table_rows = lb.rows(points)
     data = lb.digest(table_rows)
     if options.get("_write", True):
         lb.plot(table_rows, md_path.parent / options["out"], data)
-    records = [r for r in lb.load_records(root, pattern) if lb.point_name(r["run_dir"])]
     return (
         f"![RULER score against bytes held, both question modes]({options['out']})\n\n"
         + lb.markdown(table_rows)

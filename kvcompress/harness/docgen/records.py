@@ -6,24 +6,11 @@ import json
 from pathlib import Path
 
 from kvcompress.core.registry import CONF_DIR
-from kvcompress.harness.report import _natural_key, flatten, markdown_table
+from kvcompress.harness.report import _natural_key, flatten, load_records, markdown_table
 from kvcompress.metrics.stats import interval_fields, wilson
 from kvcompress.persist.aliases import FIELDS, new_name
 
 RECORD_COLUMNS = "policy,storage,settings,perplexity,cache_ratio,accuracy"
-
-
-def load_records(root: Path, pattern: str) -> list[dict]:
-    """The ``ok`` records of the run folders matching ``pattern`` (a glob relative to ``root``)."""
-    found = []
-    for run_dir in sorted(root.glob(pattern), key=_natural_key):
-        path = run_dir / "results.json"
-        if not path.is_file():
-            continue
-        record = json.loads(path.read_text())
-        if record.get("status") == "ok":
-            found.append({**record, "run_dir": str(run_dir)})
-    return found
 
 
 def _defaults(group: str, name: str | None) -> dict:
