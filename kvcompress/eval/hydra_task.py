@@ -39,6 +39,15 @@ def flatten_results(results: dict) -> dict:
     return metrics
 
 
+def mean_score(results: dict) -> float | None:
+    """The mean of every task's ``score`` when every task that ran has one (a tag such as ``kvc_ruler``
+    counts its tasks), else None."""
+    found = [v.get("score,none") for v in (results.get("results") or {}).values()]
+    if not found or not all(isinstance(x, (int, float)) for x in found):
+        return None
+    return sum(found) / len(found)
+
+
 def doc_hash(doc: dict) -> str:
     """A short fingerprint of a document: two records pair a sample only when they answered the same one."""
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -100,9 +109,8 @@ def run(model, tokenizer, policy, cfg) -> dict:
     seconds = time.perf_counter() - start  # lm-eval's whole evaluation: building requests and scoring
     cpu = time.process_time() - cpu  # this process's CPU time: what a shared machine's load does not inflate
     metrics = flatten_results(out)
-    scores = [v for k, v in metrics.items() if k.endswith("/score")]
-    if scores and len(scores) == len(tasks):  # RULER-style tasks: their mean, one number to rank or optimise
-        metrics["score"] = sum(scores) / len(scores)
+    if mean_score(out) is not None:  # RULER-style tasks: one number to rank or optimise
+        metrics["score"] = mean_score(out)
     stats = lm.kvc_stats
     metrics.update({k: stats[k] for k in ("chunk_size", "requests", "forward_calls", "tokens")})
     metrics |= {"batch_size": lm.batch_size, "eval_s": seconds, "requests_per_s": stats["requests"] / seconds,

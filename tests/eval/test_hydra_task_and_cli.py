@@ -12,7 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from kvcompress.core.cache import make_policy
-from kvcompress.eval.hydra_task import cases, flatten_results
+from kvcompress.eval.hydra_task import cases, flatten_results, mean_score
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,6 +32,9 @@ def test_flatten_results_names_filters_only_when_a_metric_has_several():
     assert (
         cases({"results": results["results"], "samples": other})[0]["doc"] != rows[0]["doc"]
     )  # a hash of it
+    assert mean_score(results) is None  # a task without a score: no mean of some of them
+    scored = {"results": {"x": {"score,none": 0.5}, "y": {"score,none": 1.0, "alias": "y"}}}
+    assert mean_score(scored) == 0.75 and mean_score({"results": {}}) is None
     ruler = {
         "b": [{"doc": {"index": 7, "input": "x"}, "em": 0.5}]
     }  # RULER documents carry an index, no depth
