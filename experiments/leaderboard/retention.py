@@ -1,0 +1,98 @@
+"""Which tokens a selector keeps on the leaderboard's single-needle documents, per layer.
+
+Prints, for each policy at ``--ratio`` removed, the share of the needle's value tokens kept (the context
+compressed alone, as in the question-after mode) and the share of the question's tokens kept (the whole
+prompt compressed, as in the question-in-prompt mode), averaged over KV heads, layers and documents, and
+the share of (layer, KV head) pairs that kept every one of them.
+Diagnoses a row of docs/results.md#leaderboard that scores near zero: did the selector drop the needle, or
+the question and the answer prefix?
+
+    .venv/bin/python experiments/leaderboard/retention.py expected_attention snapkv kvzip
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import torch
+
+from kvcompress import build_cache, make_policy
+from kvcompress.eval.lm_tasks import kvc_ruler
+from kvcompress.eval.question import question_index
+from kvcompress.resources.models import default_model_dir, load_model
+from kvcompress.runtime.context_pass import prefill
+from kvcompress.selectors.eviction import base
+
+
+@contextlib.contextmanager
+def recording(kept: dict):
+    """Record each eviction layer's last kept indices (B, h, k) in ``kept[layer_idx]``."""
+    select = base.EvictionLayer.select
+
+    def wrapped(self, *args, **kwargs):
+        idx = select(self, *args, **kwargs)
+        kept[self.layer_idx] = idx.detach()
+        return idx
+
+    base.EvictionLayer.select = wrapped
+    try:
+        yield kept
+    finally:
+        base.EvictionLayer.select = select
+
+
+def kept_share(model, tok, policy, ids: torch.Tensor, positions: list[int]) -> tuple[float, float]:
+    """After prefilling ``ids`` (1, T): the share of ``positions`` kept, and the share of (layer, KV head)
+    pairs that kept all of them, both averaged over layers and KV heads."""
+    with recording({}) as kept, torch.no_grad():
+        prefill(model, build_cache(policy, model), ids, tok)
+    if not kept:
+        raise RuntimeError(f"{policy!r} selected nothing on a {ids.shape[1]}-token prompt")
+    want = torch.tensor(positions)
+    hits = torch.cat([torch.isin(idx[0], want).sum(-1) for idx in kept.values()]).float()  # (layers * h,)
+    return float(hits.mean() / len(positions)), float((hits == len(positions)).float().mean())
+
+
+def needle_positions(tok, ids: torch.Tensor, answer: str) -> list[int]:
+    """Token positions of ``ids`` (1, T) whose text overlaps the first occurrence of ``answer``."""
+    text = tok.decode(ids[0])
+    start = text.index(answer)
+    spans = tok(text, return_offsets_mapping=True, add_special_tokens=False)["offset_mapping"]
+    return [i for i, (a, b) in enumerate(spans) if a < start + len(answer) and b > start]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("policies", nargs="+")
+    ap.add_argument("--ratio", type=float, default=0.75, help="compression_ratio (fraction removed)")
+    ap.add_argument("--docs", type=int, default=8)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    model, tok = load_model()
+    meta = {"tokenizer": str(default_model_dir()), "max_seq_lengths": [1024], "num_samples": args.docs}
+    docs = kvc_ruler.niah_single(**meta)["test"]
+    print(
+        f"share kept at compression_ratio={args.ratio}, {len(docs)} kvc_ruler_niah_single docs, 1024 tokens"
+    )
+    for name in args.policies:
+        needle, question = [], []
+        for doc in docs:
+            ids = tok(doc["input"] + doc.get("gen_prefix", ""), return_tensors="pt").input_ids
+            q = question_index(tok, ids[0].tolist())
+            policy = make_policy(name, compression_ratio=args.ratio)
+            needle.append(
+                kept_share(
+                    model, tok, policy, ids[:, :q], needle_positions(tok, ids[:, :q], doc["outputs"][0])
+                )
+            )
+            question.append(kept_share(model, tok, policy, ids, list(range(q, ids.shape[1]))))
+        (n, nall), (qs, qall) = torch.tensor(needle).mean(0).tolist(), torch.tensor(question).mean(0).tolist()
+        print(
+            f"{name:>20}: needle tokens kept {n:.0%}, all of them in {nall:.0%} of heads (context alone); "
+            f"question tokens kept {qs:.0%}, all of them in {qall:.0%} of heads (whole prompt)"
+        )
+
+
+if __name__ == "__main__":
+    main()
