@@ -23,6 +23,7 @@ from kvcompress.eval.question import question_index
 from kvcompress.resources.models import default_model_dir, load_model
 from kvcompress.runtime.context_pass import prefill
 from kvcompress.selectors.eviction import base
+from kvcompress.selectors.eviction import expected_attention as ea
 
 
 @contextlib.contextmanager
@@ -54,6 +55,34 @@ def kept_share(model, tok, policy, ids: torch.Tensor, positions: list[int]) -> t
     return float(hits.mean() / len(positions)), float((hits == len(positions)).float().mean())
 
 
+def expected_attention_terms(model, ids: torch.Tensor, ratio: float) -> list[tuple[float, float]]:
+    """Per layer, the spread over keys (std, mean over query heads) of expected_attention's two logit terms
+    on ``ids`` (1, T): the mean query's ``s mu.k`` and the covariance's ``s^2 k'Sigma k / 2``."""
+    spreads, score = [], ea.expected_scores
+
+    def spy(mean, cov, keys, values, scaling, valid=None, value_norm=True):
+        b, h, d = mean.shape
+        k = keys.float()[:, :, None]  # (B, H_kv, 1, T, D)
+        mu = mean.view(b, keys.shape[1], -1, 1, d)
+        sigma = cov.view(b, keys.shape[1], -1, d, d)
+        quad = ((k @ sigma) * k).sum(-1) * scaling**2 / 2
+        spreads.append((float(((k * mu).sum(-1) * scaling).std(-1).mean()), float(quad.std(-1).mean())))
+        return score(mean, cov, keys, values, scaling, valid, value_norm)
+
+    ea.expected_scores = spy
+    try:
+        with torch.no_grad():
+            model(
+                ids,
+                past_key_values=build_cache(
+                    make_policy("expected_attention", compression_ratio=ratio), model
+                ),
+            )
+    finally:
+        ea.expected_scores = score
+    return spreads
+
+
 def needle_positions(tok, ids: torch.Tensor, answer: str) -> list[int]:
     """Token positions of ``ids`` (1, T) whose text overlaps the first occurrence of ``answer``."""
     text = tok.decode(ids[0])
@@ -67,6 +96,7 @@ def main() -> None:
     ap.add_argument("policies", nargs="+")
     ap.add_argument("--ratio", type=float, default=0.75, help="compression_ratio (fraction removed)")
     ap.add_argument("--docs", type=int, default=8)
+    ap.add_argument("--terms", action="store_true", help="expected_attention's two logit terms per layer")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, tok = load_model()
@@ -92,6 +122,14 @@ def main() -> None:
             f"{name:>20}: needle tokens kept {n:.0%}, all of them in {nall:.0%} of heads (context alone); "
             f"question tokens kept {qs:.0%}, all of them in {qall:.0%} of heads (whole prompt)"
         )
+    if args.terms:
+        ids = tok(docs[0]["input"], return_tensors="pt").input_ids
+        print("expected_attention, first document: std over keys of the mean term / the covariance term")
+        for layer, (mean, quad) in enumerate(expected_attention_terms(model, ids, args.ratio)):
+            print(
+                f"  layer {layer:2d}: {mean:6.2f} / {quad:6.2f}"
+                + ("  <- covariance decides" if quad > mean else "")
+            )
 
 
 if __name__ == "__main__":
