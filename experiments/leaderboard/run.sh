@@ -15,5 +15,6 @@ HALF=(snapkv_r50 kvzip_r50 expected_attention_r50 h2o_r50 tova_r50 pyramidkv_r50
   sliding_window_r50)
 NINETY=(${NINETY:-kvzip_r90 snapkv_r90 expected_attention_r90})  # the three best at 0.75 (README)
 for p in "${HEADLINE[@]}"; do $K point="$p"; done
-for p in "${HALF[@]}" "${NINETY[@]}"; do $K point="$p" task.limit=10; done
+VARIANTS=(expected_attention_r50_mean)  # expected_attention without its covariance term (README)
+for p in "${HALF[@]}" "${NINETY[@]}" "${VARIANTS[@]}"; do $K point="$p" task.limit=10; done
 ${PYTHON:-.venv/bin/python} scripts/collect.py --docs
