@@ -30,6 +30,8 @@ def main() -> None:
             if "diff" not in r:
                 continue
             verdict = "inside the noise" if r["noise"] else ("better" if r["diff"] > 0 else "worse")
+            if r["diff_low"] == r["diff_high"] == 0:
+                verdict = "identical on these samples"
             print(
                 f"  {a.name} - {b.name}: {r['diff']:+.3f} [{r['diff_low']:+.3f}, {r['diff_high']:+.3f}] "
                 f"(n={r['paired']}): {verdict}"
