@@ -177,9 +177,11 @@ def plot(table_rows: list[dict], path: Path, data_digest: str) -> Path:
     plt = _pyplot()
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.6), sharey=True)
     methods = sorted({r["method"] for r in table_rows if r["point"] != "full"})
-    colors = {m: plt.get_cmap("tab20")(i % 20) for i, m in enumerate(methods)}
+    # ten hues first (tab20's dark shades), then their light shades; markers tell neighbours apart
+    colors = {m: plt.get_cmap("tab20")((2 * i) % 20 + (i // 10) % 2) for i, m in enumerate(methods)}
+    markers = {m: "osD^v"[i % 5] for i, m in enumerate(methods)}
     for ax, mode in zip(axes, MODES.values(), strict=True):
         mine = [r for r in table_rows if r["mode"] == mode]
         for method in methods:
@@ -189,7 +191,15 @@ def plot(table_rows: list[dict], path: Path, data_digest: str) -> Path:
             xs, ys = [r["bytes"] for r in line], [r["score"] for r in line]
             yerr = [[r["score"] - r["score_low"] for r in line], [r["score_high"] - r["score"] for r in line]]
             ax.errorbar(
-                xs, ys, yerr=yerr, marker="o", ms=4, lw=1, capsize=2, color=colors[method], label=method
+                xs,
+                ys,
+                yerr=yerr,
+                marker=markers[method],
+                ms=4,
+                lw=1,
+                capsize=2,
+                color=colors[method],
+                label=method,
             )
         for r in (r for r in mine if r["point"] == "full"):
             bar = [[r["score"] - r["score_low"]], [r["score_high"] - r["score"]]]
@@ -206,8 +216,8 @@ def plot(table_rows: list[dict], path: Path, data_digest: str) -> Path:
     handles = {}  # every method once, from whichever panel drew it
     for ax in axes:
         handles |= dict(zip(*reversed(ax.get_legend_handles_labels()), strict=True))
-    axes[1].legend(handles.values(), handles.keys(), fontsize=7, loc="lower right", ncol=2)
-    fig.tight_layout()
+    fig.legend(handles.values(), handles.keys(), fontsize=8, loc="lower center", ncol=6, frameon=False)
+    fig.tight_layout(rect=(0, 0.04 * (len(handles) // 6 + 1), 1, 1))  # the legend below both panels
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, metadata={"Description": f"leaderboard data {data_digest}"})
     plt.close(fig)
