@@ -41,8 +41,10 @@ def flatten_results(results: dict) -> dict:
 
 def mean_score(results: dict) -> float | None:
     """The mean of every task's ``score`` when every task that ran has one (a tag such as ``kvc_ruler``
-    counts its tasks), else None."""
-    found = [v.get("score,none") for v in (results.get("results") or {}).values()]
+    counts its tasks), else None. A group's own row (its aggregate, listed in ``group_subtasks``) is left
+    out: its subtasks count once each."""
+    groups = {name for name, subtasks in (results.get("group_subtasks") or {}).items() if subtasks}
+    found = [v.get("score,none") for k, v in (results.get("results") or {}).items() if k not in groups]
     if not found or not all(isinstance(x, (int, float)) for x in found):
         return None
     return sum(found) / len(found)
@@ -109,8 +111,9 @@ def run(model, tokenizer, policy, cfg) -> dict:
     seconds = time.perf_counter() - start  # lm-eval's whole evaluation: building requests and scoring
     cpu = time.process_time() - cpu  # this process's CPU time: what a shared machine's load does not inflate
     metrics = flatten_results(out)
-    if mean_score(out) is not None:  # RULER-style tasks: one number to rank or optimise
-        metrics["score"] = mean_score(out)
+    score = mean_score(out)
+    if score is not None:  # RULER-style tasks: one number to rank or optimise
+        metrics["score"] = score
     stats = lm.kvc_stats
     metrics.update({k: stats[k] for k in ("chunk_size", "requests", "forward_calls", "tokens")})
     metrics |= {"batch_size": lm.batch_size, "eval_s": seconds, "requests_per_s": stats["requests"] / seconds,

@@ -35,6 +35,9 @@ def test_flatten_results_names_filters_only_when_a_metric_has_several():
     assert mean_score(results) is None  # a task without a score: no mean of some of them
     scored = {"results": {"x": {"score,none": 0.5}, "y": {"score,none": 1.0, "alias": "y"}}}
     assert mean_score(scored) == 0.75 and mean_score({"results": {}}) is None
+    grouped = {"results": {"g": {"score,none": 0.9}, **scored["results"], "z": {"score,none": 0.0}},
+               "group_subtasks": {"g": ["x", "y"], "x": [], "y": [], "z": []}}  # fmt: skip
+    assert mean_score(grouped) == 0.5  # the group's aggregate row is not a fourth task
     ruler = {
         "b": [{"doc": {"index": 7, "input": "x"}, "em": 0.5}]
     }  # RULER documents carry an index, no depth
