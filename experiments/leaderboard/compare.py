@@ -22,6 +22,9 @@ def main() -> None:
     ap.add_argument("points", nargs="+", help="conf/point names, best first")
     args = ap.parse_args()
     found = {(p.name, p.question_in_prompt): p for p in lb.load(ROOT)}
+    unknown = sorted(set(args.points) - {name for name, _ in found})
+    if unknown:
+        ap.error(f"no leaderboard record for {unknown}; recorded points: {sorted({n for n, _ in found})}")
     for mode in (True, False):
         print(f"{lb.MODES[mode]}:")
         have = [found[name, mode] for name in args.points if (name, mode) in found]
