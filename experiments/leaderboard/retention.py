@@ -58,28 +58,19 @@ def kept_share(model, tok, policy, ids: torch.Tensor, positions: list[int]) -> t
 def expected_attention_terms(model, ids: torch.Tensor, ratio: float) -> list[tuple[float, float]]:
     """Per layer, the spread over keys (std, mean over query heads) of expected_attention's two logit terms
     on ``ids`` (1, T): the mean query's ``s mu.k`` and the covariance's ``s^2 k'Sigma k / 2``."""
-    spreads, score = [], ea.expected_scores
+    spreads, terms = [], ea.logit_terms
 
-    def spy(mean, cov, keys, values, scaling, valid=None, value_norm=True):
-        b, h, d = mean.shape
-        k = keys.float()[:, :, None]  # (B, H_kv, 1, T, D)
-        mu = mean.view(b, keys.shape[1], -1, 1, d)
-        sigma = cov.view(b, keys.shape[1], -1, d, d)
-        quad = ((k @ sigma) * k).sum(-1) * scaling**2 / 2
-        spreads.append((float(((k * mu).sum(-1) * scaling).std(-1).mean()), float(quad.std(-1).mean())))
-        return score(mean, cov, keys, values, scaling, valid, value_norm)
+    def spy(*args, **kwargs):
+        linear, quadratic = terms(*args, **kwargs)
+        spreads.append((float(linear.std(-1).mean()), float(quadratic.std(-1).mean())))
+        return linear, quadratic
 
-    ea.expected_scores = spy
+    ea.logit_terms = spy
     try:
         with torch.no_grad():
-            model(
-                ids,
-                past_key_values=build_cache(
-                    make_policy("expected_attention", compression_ratio=ratio), model
-                ),
-            )
+            model(ids, cache=build_cache(make_policy("expected_attention", compression_ratio=ratio), model))
     finally:
-        ea.expected_scores = score
+        ea.logit_terms = terms
     return spreads
 
 
@@ -87,7 +78,10 @@ def needle_positions(tok, ids: torch.Tensor, answer: str) -> list[int]:
     """Token positions of ``ids`` (1, T) whose text overlaps the first occurrence of ``answer``."""
     text = tok.decode(ids[0])
     start = text.index(answer)
-    spans = tok(text, return_offsets_mapping=True, add_special_tokens=False)["offset_mapping"]
+    enc = tok(text, return_offsets_mapping=True, add_special_tokens=False)
+    if enc["input_ids"] != ids[0].tolist():  # the offsets must index the very tokens the cache saw
+        raise ValueError("the prompt does not re-tokenize to its own ids: needle positions would be off")
+    spans = enc["offset_mapping"]
     return [i for i, (a, b) in enumerate(spans) if a < start + len(answer) and b > start]
 
 

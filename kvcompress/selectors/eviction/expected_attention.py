@@ -42,17 +42,24 @@ def query_statistics(query: torch.Tensor, inv_freq: torch.Tensor, weight: torch.
     return mean, centred.mT @ centred
 
 
-def expected_scores(mean, cov, keys, values, scaling: float, valid=None, value_norm: bool = True):
-    """Expected attention (B, H_kv, T) of stored ``keys`` (B, H_kv, T, D) under future queries N(mean, cov)
-    per query head (B, H, D) / (B, H, D, D); ``cov`` None uses the mean alone."""
+def logit_terms(mean, cov, keys, scaling: float):
+    """The two terms of each key's expected logit (B, H_kv, g, T), g query heads per KV head: the mean
+    query's ``s mu.k`` and the covariance's ``s^2 k'Sigma k / 2`` (None when ``cov`` is None)."""
     b, h, d = mean.shape
     h_kv = keys.shape[1]
     k = keys.float()[:, :, None]  # (B, H_kv, 1, T, D)
-    mu = mean.view(b, h_kv, h // h_kv, 1, d)
-    logits = (k * mu).sum(-1) * scaling  # (B, H_kv, g, T)
-    if cov is not None:
-        sigma = cov.view(b, h_kv, h // h_kv, d, d)
-        logits = logits + ((k @ sigma) * k).sum(-1) * (scaling**2 / 2)
+    linear = (k * mean.view(b, h_kv, h // h_kv, 1, d)).sum(-1) * scaling  # (B, H_kv, g, T)
+    if cov is None:
+        return linear, None
+    sigma = cov.view(b, h_kv, h // h_kv, d, d)
+    return linear, ((k @ sigma) * k).sum(-1) * (scaling**2 / 2)
+
+
+def expected_scores(mean, cov, keys, values, scaling: float, valid=None, value_norm: bool = True):
+    """Expected attention (B, H_kv, T) of stored ``keys`` (B, H_kv, T, D) under future queries N(mean, cov)
+    per query head (B, H, D) / (B, H, D, D); ``cov`` None uses the mean alone."""
+    linear, quadratic = logit_terms(mean, cov, keys, scaling)
+    logits = linear if quadratic is None else linear + quadratic
     if valid is not None:
         logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
     scores = torch.softmax(logits, dim=-1).nan_to_num_(0.0).mean(dim=2)  # (B, H_kv, T)
