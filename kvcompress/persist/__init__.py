@@ -21,12 +21,12 @@ import torch
 
 from kvcompress.core.placement import layer_devices
 from kvcompress.core.sources import digests
-from kvcompress.persist.aliases import VERSION
 from kvcompress.persist.file import (
     AGAIN,
     CORE,
     FORMAT,
     HEADER_KEY,
+    VERSION,
     check_built,
     check_layer_code,
     check_model,

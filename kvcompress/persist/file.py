@@ -4,8 +4,8 @@ device, its format the one this code writes.
 A file is refused with an error that names it and what is wrong: not a safetensors file or truncated; a
 header that is not kvcompress's JSON; a class outside kvcompress and the registered plugins (refused before
 anything is imported, ``registry.trusted``); a tensor missing, or whose bytes differ from the digest saved
-with it (corrupt); of a format version other than ``VERSION`` (files written before the package move, with
-no version in their header, are read through ``kvcompress.persist.aliases``); or written by other code.
+with it (corrupt); of a format version other than ``VERSION`` (``OLD_VERSIONS``: a file of an older layout
+is refused by its version, never translated); or written by other code.
 The version of the format is the code that wrote it (``kvcompress.core.sources``): the header holds the
 digests of ``CORE`` and, per layer, of every module defining the layer's, its store's and their configs'
 classes and their bases (nested stores and saved objects too).
@@ -23,7 +23,6 @@ import torch
 
 from kvcompress.core.registry import refuse_untrusted
 from kvcompress.core.sources import class_modules, digests, module_digest
-from kvcompress.persist.aliases import VERSION, upgrade
 from kvcompress.persist.state import class_names
 
 FORMAT = "kvcompress-cache"
@@ -35,6 +34,11 @@ CORE = (
 )  # the header and state layout
 KEYS = ("format", "code", "policy_config", "model_fingerprint", "seq_length", "tensors", "layers")
 AGAIN = "save the cache again with this code"
+VERSION = 3  # the header's layout; a header without "version" is version 2
+OLD_VERSIONS = {  # version -> what it was, and the last commit that wrote (and so could read) it
+    1: ("headers without code digests", "0a79127"),
+    2: ("headers without a version, before the package move", "fa1acd7"),
+}
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -72,7 +76,6 @@ def read_header(path) -> dict:
         raise ValueError(
             f"load_cache: {path} is corrupt: its {HEADER_KEY!r} header is not JSON ({err})"
         ) from err
-    header = upgrade(header)  # a file written before the package move (no version), read as this version
     _check_header(path, header)
     return header
 
@@ -81,25 +84,31 @@ def _check_header(path, header) -> None:
     """The format, the keys this code reads, the code of the layout itself, and only trusted class names."""
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise ValueError(f"load_cache: {path} is not a kvcompress cache file (format is not {FORMAT!r})")
+    _check_version(path, header.get("version", 2))
     missing = [key for key in KEYS if key not in header]
     if not missing and not all(isinstance(layer, dict) for layer in header["layers"]):
         raise ValueError(f"load_cache: {path} is corrupt: its header's layers are not state trees")
     if missing:
-        version = f" (format version {header['version']})" if "version" in header else ""
-        raise ValueError(
-            f"load_cache: {path} lacks {missing}: written by another kvcompress{version}; {AGAIN}"
-        )
-    if header.get("version") != VERSION:
-        raise ValueError(
-            f"load_cache: {path} is format version {header.get('version')!r}; this kvcompress reads version "
-            f"{VERSION} and, through kvcompress.persist.aliases, files written before the package move; "
-            f"{AGAIN}"
-        )
+        raise ValueError(f"load_cache: {path} lacks {missing}: written by another kvcompress; {AGAIN}")
     for i, layer in enumerate(header["layers"]):
         names = [layer.get("class"), layer.get("store_class"), *class_names(layer), *layer.get("code", {})]
         for name in names:
             refuse_untrusted(name, f"load_cache: {path} (layer {i})")
     _check_code(path, "the file's layout", header["code"], set(CORE))
+
+
+def _check_version(path, version) -> None:
+    """Refuse a header layout other than ``VERSION``, naming both and, for an older one, the last commit
+    that wrote it."""
+    if version == VERSION:
+        return
+    known = isinstance(version, int) and version in OLD_VERSIONS
+    what, commit = OLD_VERSIONS[version] if known else ("unknown to this kvcompress", None)
+    last = f", last written by kvcompress commit {commit}" if commit else ""
+    raise ValueError(
+        f"load_cache: {path} is cache file format version {version!r} ({what}{last}); this kvcompress "
+        f"reads format version {VERSION} only: save it again with this code"
+    )
 
 
 def check_model(path, header: dict, model) -> None:

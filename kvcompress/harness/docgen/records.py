@@ -8,9 +8,10 @@ from pathlib import Path
 from kvcompress.core.registry import CONF_DIR
 from kvcompress.harness.report import _natural_key, flatten, load_records, markdown_table
 from kvcompress.metrics.stats import interval_fields, wilson
-from kvcompress.persist.aliases import FIELDS, new_name
 
 RECORD_COLUMNS = "policy,storage,settings,perplexity,cache_ratio,accuracy"
+RENAMED = {"residual_length": "recent"}  # config fields renamed since committed records were written
+MOVED = ("kvcompress.policies.", "kvcompress.selectors.")  # the package of a ``_target_`` before the move
 
 
 def _defaults(group: str, name: str | None) -> dict:
@@ -42,14 +43,18 @@ def _same(value, default) -> bool:
 
 def _current_names(node):
     """A recorded config under today's names: every ``_target_`` (a record written before the package move
-    names ``kvcompress.policies...``) and every field renamed since (``residual_length`` is ``recent``), as
-    ``kvcompress.persist.aliases`` reads them."""
+    names ``kvcompress.policies...``) and every field renamed since (``RENAMED``)."""
     if isinstance(node, dict):
-        return {FIELDS.get(k, k): new_name(v) if k == "_target_" and isinstance(v, str) else _current_names(v)
+        return {RENAMED.get(k, k): _target(v) if k == "_target_" and isinstance(v, str) else _current_names(v)
                 for k, v in node.items()}  # fmt: skip
     if isinstance(node, list):
         return [_current_names(v) for v in node]
     return node
+
+
+def _target(name: str) -> str:
+    old, new = MOVED
+    return new + name.removeprefix(old) if name.startswith(old) else name
 
 
 def row(record: dict) -> dict:
