@@ -1,4 +1,4 @@
-"""Predicted cache bytes of every policy in ``conf/policy/`` (its defaults), from the memory model alone.
+"""Predicted cache bytes of every registered policy (at its defaults), from the memory model alone.
 
 No model is loaded: the shape defaults to the embedded SmolLM2-135M (30 layers, 9 query / 3 KV heads,
 head_dim 64). ``task=bench`` measures the same quantity (``cache_bytes``) and reports the ratio to it

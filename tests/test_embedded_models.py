@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import hashlib
 import zipfile
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
+from kvcompress.core.registry import CONF_DIR as REGISTRY_DIR
 from kvcompress.resources.assets import EMBEDDED_MODELS, EmbeddedModel, assemble_gguf
 from kvcompress.resources.models import embedded_model_dir
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = REGISTRY_DIR
 CHUNKS = [b"GGUF" + bytes(range(7)), b"second-chunk" * 3, b"end"]
 
 

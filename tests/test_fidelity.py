@@ -143,7 +143,7 @@ def _compare_cfg(tmp_path, **over):
     (tmp_path / "hay.txt").write_text(
         "The cat sat. A dog ran far away! Birds sing at dawn. Is it late? " * 20
     )
-    cfg = OmegaConf.load("conf/task/compare.yaml")
+    cfg = OmegaConf.load("kvcompress/conf/task/compare.yaml")
     cfg.update(text=str(tmp_path / "hay.txt"), length=120, depth=50, needle="Magic is 42.", question="Magic?")
     cfg.update(answer="42", max_new_tokens=6, **over)
     return cfg
@@ -182,7 +182,7 @@ def test_fidelity_task_writes_trace_plots_and_summary(llama, char_tokenizer, tmp
     from kvcompress.resources.files import write_json_atomic
 
     (tmp_path / "t.txt").write_text("The cat sat. A dog ran far away! Birds sing at dawn. " * 10)
-    cfg = OmegaConf.load("conf/task/fidelity.yaml")
+    cfg = OmegaConf.load("kvcompress/conf/task/fidelity.yaml")
     cfg.update(text=str(tmp_path / "t.txt"), max_tokens=80, every=5, progress=False)
     run = tmp_path / "run"
     m = fidelity.run(llama, char_tokenizer, make_policy("h2o", budget=16), cfg, out_dir=run)
@@ -209,7 +209,7 @@ def test_quest_reading_fewer_pages_is_not_flagged_as_a_no_op(llama, char_tokeniz
     from kvcompress.harness.tasks import fidelity
 
     (tmp_path / "t.txt").write_text("The cat sat. A dog ran far away! Birds sing at dawn. " * 10)
-    cfg = OmegaConf.load("conf/task/fidelity.yaml")
+    cfg = OmegaConf.load("kvcompress/conf/task/fidelity.yaml")
     cfg.update(text=str(tmp_path / "t.txt"), max_tokens=80, progress=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the "did not compress" warning would fail here

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def _cfg(**over):
-    cfg = OmegaConf.load("conf/task/niah.yaml")
+    cfg = OmegaConf.load("kvcompress/conf/task/niah.yaml")
     cfg.update(lengths=[1024], depths=[50], progress=False, extra_needles=[], **over)
     return cfg
 

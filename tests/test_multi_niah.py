@@ -17,7 +17,7 @@ TEXT = "The cat sat. A dog ran far away! Birds sing at dawn. Is it late? " * 30
 def cfg_for(tmp_path, **over):
     path = tmp_path / "hay.txt"
     path.write_text(TEXT)
-    cfg = OmegaConf.load("conf/task/multi_niah.yaml")
+    cfg = OmegaConf.load("kvcompress/conf/task/multi_niah.yaml")
     cfg.update(
         text=str(path), lengths=[300], needle_keys=["Rome", "Oslo", "Lima"], max_new_tokens=3, progress=False
     )

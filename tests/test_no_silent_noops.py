@@ -26,7 +26,7 @@ TEXT = "The cat sat on the mat. A dog ran far away! Birds sing at dawn. Is it la
 def _ppl_cfg(tmp_path, **over):
     path = tmp_path / "text.txt"
     path.write_text(TEXT)
-    cfg = OmegaConf.load("conf/task/perplexity.yaml")
+    cfg = OmegaConf.load("kvcompress/conf/task/perplexity.yaml")
     cfg.update(text=str(path), max_tokens=48, slices=1, speed=False, progress=False, **over)
     return cfg
 
@@ -123,7 +123,7 @@ def test_a_budget_that_covers_the_text_is_flagged(llama, char_tokenizer, tmp_pat
 def _niah_cfg(tmp_path):
     path = tmp_path / "hay.txt"
     path.write_text(TEXT * 2)
-    cfg = OmegaConf.load("conf/task/niah.yaml")
+    cfg = OmegaConf.load("kvcompress/conf/task/niah.yaml")
     cfg.update(text=str(path), lengths=[100], depths=[50], max_new_tokens=3, progress=False)
     cfg.update(
         needle="Magic is 42.", question="Magic?", answer="42", question_in_prompt=True, extra_needles=[]

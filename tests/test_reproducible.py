@@ -3,14 +3,13 @@ and every record says what produced it (versions, commit, device, threads, dtype
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from hydra import compose, initialize_config_dir
 
+from kvcompress.core.registry import CONF_DIR as REGISTRY_DIR
 from kvcompress.harness.app import run_experiment
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+CONF_DIR = str(REGISTRY_DIR)
 CASES = {
     "full": ["policy=full"],
     "h2o": ["policy=h2o", "policy.budget=20", "policy.compression_ratio=null", "policy.recent=4"],

@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from kvcompress.core.registry import CONF_DIR as REGISTRY_DIR
 from kvcompress.harness import app
 from kvcompress.harness.results import code_version, load_record
 from kvcompress.harness.sweep import completed_record, resume_mode
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+CONF_DIR = str(REGISTRY_DIR)
 V1 = {"commit": "a" * 40, "dirty_hash": None}
 V2 = {"commit": "a" * 40, "dirty_hash": "0123456789ab"}
 

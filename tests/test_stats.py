@@ -61,7 +61,7 @@ def test_comparison_says_not_distinguishable_when_intervals_overlap():
 def _ppl_cfg(tmp_path, **over):
     path = tmp_path / "text.txt"
     path.write_text(TEXT)
-    cfg = OmegaConf.load("conf/task/perplexity.yaml")
+    cfg = OmegaConf.load("kvcompress/conf/task/perplexity.yaml")
     cfg.update(text=str(path), max_tokens=48, slices=3, slice_stride=200, speed=False, progress=False)
     cfg.update(**over)
     return cfg
@@ -119,7 +119,7 @@ def test_combined_slices_count_the_backends_of_every_slice():
 def test_niah_runs_every_needle_and_accuracy_carries_a_wilson_interval(llama, char_tokenizer, tmp_path):
     path = tmp_path / "hay.txt"
     path.write_text(TEXT)
-    cfg = OmegaConf.load("conf/task/niah.yaml")
+    cfg = OmegaConf.load("kvcompress/conf/task/niah.yaml")
     assert len(cfg.depths) >= 10 and len(niah.needles(cfg)) >= 2  # the defaults
     cfg.update(text=str(path), lengths=[90], depths=[0, 100], max_new_tokens=3, progress=False)
     second = niah.make_case(char_tokenizer, cfg, 90, 50.0, 1)

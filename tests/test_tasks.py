@@ -18,7 +18,7 @@ TEXT = "The cat sat. A dog ran far away! Birds sing at dawn. Is it late? " * 20
 def niah_cfg(tmp_path, **over):
     path = tmp_path / "hay.txt"
     path.write_text(TEXT)
-    base = OmegaConf.load("conf/task/niah.yaml")
+    base = OmegaConf.load("kvcompress/conf/task/niah.yaml")
     base.update(text=str(path), lengths=[80, 120], depths=[0, 50, 100], max_new_tokens=4, progress=False)
     base.update(needle="Magic is 42.", question="Magic?", answer="42", extra_needles=[], **over)
     return base
@@ -98,7 +98,7 @@ def test_compressed_cases_keep_fewer_tokens(llama, char_tokenizer, tmp_path):
 
 
 def test_passkey_hides_a_seeded_number_at_its_depth(char_tokenizer):
-    cfg = OmegaConf.load("conf/task/passkey.yaml")
+    cfg = OmegaConf.load("kvcompress/conf/task/passkey.yaml")
     cases = [passkey.make_case(char_tokenizer, cfg, 900, d) for d in (0.0, 50.0, 100.0)]
     for case in cases:
         assert len(case.answer) == cfg.digits and case.context.count(case.answer) == 2

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("points", nargs="+", help="conf/point names, best first")
+    ap.add_argument("points", nargs="+", help="kvcompress/conf/point names, best first")
     args = ap.parse_args()
     found = {(p.name, p.question_in_prompt): p for p in lb.load(ROOT)}
     unknown = sorted(set(args.points) - {name for name, _ in found})

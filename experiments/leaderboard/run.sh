@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The leaderboard (docs/results.md#leaderboard): the headline points of conf/sweep/leaderboard.yaml at 30
+# The leaderboard (docs/results.md#leaderboard): the headline points of kvcompress/conf/sweep/leaderboard.yaml at 30
 # samples per task, then the 0.5 points and the 0.9 points of the best selectors at 10, all on the
 # offline RULER suite at 1024 tokens in both question modes. Records: experiments/leaderboard/runs/; then
 # `make leaderboard`. Resumable (resume: any): a finished point is never run again; one point at a time

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kvcompress.core.fields import refuse_renamed
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # kvcompress/conf: shipped in the wheel
 ENV = "KVCOMPRESS_CONF_PATH"
 
 

@@ -1,4 +1,4 @@
-"""Console entry point ``kvcompress`` (also ``python -m kvcompress``): a Hydra app over ``conf/``."""
+"""Console entry point ``kvcompress`` (``python -m kvcompress``): a Hydra app over ``kvcompress/conf``."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from kvcompress.core.registry import CONF_DIR as REGISTRY_DIR
 from kvcompress.harness.sweep import run_dirname
 
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+CONF_DIR = str(REGISTRY_DIR)  # the Hydra tree is the registry's folder, inside the package
 OmegaConf.register_new_resolver("kvc_dirname", run_dirname, replace=True)  # used by hydra.sweep.subdir
 
 

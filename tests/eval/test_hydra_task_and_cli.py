@@ -51,7 +51,7 @@ def test_hydra_task_scores_niah_and_records_cache_bytes(fake_cache, tiny_checkpo
 
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint).eval()
     tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
-    cfg = OmegaConf.load(ROOT / "conf" / "task" / "lm_eval.yaml")
+    cfg = OmegaConf.load(ROOT / "kvcompress" / "conf" / "task" / "lm_eval.yaml")
     cfg.tasks, cfg.limit = ["kvc_niah"], 3
     policy = make_policy("sliding_window", sink_tokens=2, window=30)
     metrics = run(model, tok, policy, cfg)

@@ -200,7 +200,7 @@ def test_tasks_run_the_context_pass_and_flag_a_run_that_never_got_one(char_token
     llama, policy = make_tiny("llama"), make_policy("kvzip", **KVzipPolicy.TEST_PARAMS)
     text = tmp_path / "text.txt"
     text.write_text("The cat sat on the mat. A dog ran far away! Birds sing at dawn. " * 12)
-    cfg = OmegaConf.load("conf/task/perplexity.yaml")
+    cfg = OmegaConf.load("kvcompress/conf/task/perplexity.yaml")
     cfg.update(text=str(text), max_tokens=48, slices=1, speed=False, progress=False)
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
@@ -209,7 +209,7 @@ def test_tasks_run_the_context_pass_and_flag_a_run_that_never_got_one(char_token
         prefixed = ppl_task.run(llama, char_tokenizer, policy, cfg)
     assert streamed["compressed"] is False and "kvzip" in streamed["warning"]
     assert prefixed["compressed"] is True and prefixed["tokens_evicted"] == 3 * (32 - 12)
-    cfg = OmegaConf.load("conf/task/niah.yaml")
+    cfg = OmegaConf.load("kvcompress/conf/task/niah.yaml")
     cfg.update(text=str(text), lengths=[100], depths=[50], max_new_tokens=3, progress=False)
     cfg.update(needle="Magic is 42.", question="Magic?", answer="42", extra_needles=[])
     case = niah.run(llama, char_tokenizer, policy, cfg)["cases"][0]

@@ -74,7 +74,7 @@ def test_tokenizer_argument_and_the_error_naming_what_was_tried(user_model, tiny
 
 
 def _ppl(model, tok, policy, text, max_tokens, **over):
-    cfg = OmegaConf.load("conf/task/perplexity.yaml")
+    cfg = OmegaConf.load("kvcompress/conf/task/perplexity.yaml")
     cfg.update(text=str(text), max_tokens=max_tokens, slices=1, speed=False, progress=False)
     cfg.update(**over)
     return ppl_task.run(model, tok, policy, cfg)
@@ -99,7 +99,7 @@ def test_perplexity_records_the_calibration_range_and_refuses_an_overlap(user_mo
 def test_niah_refuses_a_haystack_the_calibration_read(user_model, essay, tmp_path):
     from kvcompress.harness.tasks import niah
 
-    cfg = OmegaConf.load("conf/task/niah.yaml")
+    cfg = OmegaConf.load("kvcompress/conf/task/niah.yaml")
     cfg.update(text=str(essay), lengths=[400], progress=False)
     policy = make_policy("low_rank", **low_rank(tmp_path, essay))
     with pytest.raises(ValueError, match=r"task=niah \(lengths=\[400\]\) reads characters \[0, 3200\]"):
