@@ -121,13 +121,6 @@ class Policy:
             return ModelWindowLayer(self, layer_idx, spec, make_storage(None).layer(layer_idx, spec))
         return self.layer_class(self, layer_idx, spec, self.storage.layer(layer_idx, spec))
 
-    def require_ints(self, **lows: int) -> None:
-        """Refuse any named field that is not an integer (bools excluded) at least its lower bound."""
-        for name, low in lows.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{self.name}.{name}={value!r} must be an integer >= {low}")
-
     def describe(self) -> dict:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "storage"}
         if self.apply_to == "full_attention":

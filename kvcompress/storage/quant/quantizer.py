@@ -125,10 +125,3 @@ def dequantize(q: QuantizedTensor, bits: int, group: int, axis: str, out: torch.
         limit = torch.finfo(torch.float16).max
         out.copy_(work.clamp_(-limit, limit))
     return out
-
-
-def concat(a: QuantizedTensor | None, b: QuantizedTensor) -> QuantizedTensor:
-    """``a`` followed by ``b`` along tokens (new storage, so nothing keeps the old pieces alive)."""
-    if a is None:
-        return b
-    return QuantizedTensor(*(torch.cat([x, y], dim=2) for x, y in zip(a, b, strict=True)))
