@@ -31,9 +31,9 @@ $(COMPAT_VENV)/.installed: pyproject.toml
 	$(COMPAT_VENV)/bin/pip install -q -e ".[dev,test]" "transformers==$(firstword $(COMPAT_TRANSFORMERS)).*"
 	touch $@
 
+# The sweep's end-of-run callback collects $(RUN_DIR) (summary.md/.csv, plots) and prints its table once.
 run: install
 	$(BIN)/kvcompress -m policy=full,sliding_window task.max_tokens=1024 hydra.sweep.dir=$(RUN_DIR)
-	$(BIN)/python scripts/collect.py $(RUN_DIR)
 
 test: install
 	$(BIN)/python -m pytest tests

@@ -101,3 +101,28 @@ def test_submitit_local_launcher_runs_the_sweep(tmp_path, tiny_checkpoint):
     assert sorted(r["policy_name"] for r in records) == ["full", "sliding_window"]
     assert all(r["status"] == "ok" for r in records) and (sweep / ".submitit").is_dir()
     assert sorted((tmp_path / "calls.log").read_text().split()) == ["full-1", "sliding_window-1"]
+
+
+def test_a_sweep_prints_its_table_once_at_the_end_and_a_single_run_its_own(tmp_path, tiny_checkpoint):
+    """Each run of a multirun prints no table; the end-of-sweep callback prints one with every run (what
+    ``make run`` shows: its recipe collects nothing again). A single run prints its own row."""
+    env = _env(tmp_path)
+    proc = subprocess.run(_sweep_cmd(tiny_checkpoint), cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = (tmp_path / "multirun" / "resume_test" / "summary.md").read_text().strip()
+    assert len(table.splitlines()) == 2 + 4 and table in proc.stdout
+    assert _tables(proc.stdout) == 1, proc.stdout
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("[kvcompress] wrote ")  # the table came last
+    recipe = (ROOT / "Makefile").read_text().split("\nrun:", 1)[1].split("\n\n", 1)[0]
+    assert "kvcompress -m" in recipe and "collect.py" not in recipe
+
+    single = [a for a in _sweep_cmd(tiny_checkpoint, "hydra.run.dir=one") if "," not in a]
+    single[single.index("-m", 2)] = "+task.point=1"  # Hydra's multirun flag (the first -m is Python's)
+    one = subprocess.run([*single, "policy=full"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert _tables(one.stdout) == 1 and "| full |" in one.stdout, one.stdout
+
+
+def _tables(out: str) -> int:
+    """Markdown tables printed in ``out`` (one header rule each)."""
+    return sum(line.startswith("|---") for line in out.splitlines())

@@ -1,4 +1,5 @@
-"""One experiment: validate, load, run the task, write ``results.json`` atomically, log, print a table.
+"""One experiment: validate, load, run the task, write ``results.json`` atomically, log, print a table (a
+multirun's runs print none: the sweep's table is printed once, at its end, by ``sweep.CollectCallback``).
 
 A run whose folder already holds an ``ok`` record of the same config and code version is skipped
 (``resume=false`` reruns it, ``resume=any`` also reuses records of other code versions), so a killed sweep
@@ -92,6 +93,17 @@ def _hydra_overrides() -> list[str] | None:
         return None
 
 
+def _in_multirun() -> bool:
+    """Whether this is one run of a Hydra multirun (False outside a Hydra app)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        return HydraConfig.get().mode == RunMode.MULTIRUN
+    except (ImportError, ValueError):
+        return False
+
+
 def run_experiment(cfg: DictConfig, out_dir: Path, raise_errors: bool = True) -> dict:
     """Run ``cfg`` and write its record to ``out_dir/results.json`` (a failure record on error).
 
@@ -122,5 +134,6 @@ def run_experiment(cfg: DictConfig, out_dir: Path, raise_errors: bool = True) ->
         raise error
     if error is not None:
         print(f"[kvcompress] run failed ({out_dir}): {record['error']}", file=sys.stderr)
-    print(markdown_table([flatten(record)]))
+    if not _in_multirun():
+        print(markdown_table([flatten(record)]))
     return record
