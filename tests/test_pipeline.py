@@ -11,6 +11,7 @@ import torch
 import kvcompress
 from kvcompress import build_cache
 from kvcompress.harness import ask
+from kvcompress.harness.pipeline import Answers
 from kvcompress.harness.tasks.retrieval import answer, eos_ids, split_prompt
 
 CONTEXT = "The keeper of the north light was Ada Marlow; her number was 7392 and she kept two goats. " * 3
@@ -32,9 +33,22 @@ def test_each_answer_is_the_one_a_fresh_cache_gives(llama, char_tokenizer, polic
     pipe = kvcompress.pipeline(llama, char_tokenizer, policy, **params)
     out = pipe(CONTEXT, QUESTIONS, max_new_tokens=8, question_in_prompt=question_in_prompt)
     want = [_alone(llama, char_tokenizer, policy, q, question_in_prompt, **params) for q in QUESTIONS]
-    assert out.answers == want
+    assert out.answers == want and list(out) == want and out[-1] == want[-1] and len(out) == len(QUESTIONS)
     assert any(a for a in out.answers)  # the tiny model answers something (the check is not vacuous)
     assert [s["question"] for s in out.stages if s["stage"] == "answer"] == [0, 1, 2]
+
+
+def test_answers_iterate_index_and_count_as_their_list():
+    stage = {"stage": "answer", "question": 1, "seconds": 0.5, "tokens": 3, "cache_bytes": 8}
+    out = Answers(["Ada", "7392", "two"], [stage], "full")
+    first, second, third = out
+    assert (first, second, third) == ("Ada", "7392", "two") and [a for a in out] == out.answers
+    assert (out[0], out[-1], out[1:], out[::2]) == ("Ada", "two", ["7392", "two"], ["Ada", "two"])
+    assert len(out) == 3 and list(reversed(out)) == ["two", "7392", "Ada"]
+    with pytest.raises(IndexError):
+        out[3]
+    assert out.answers == ["Ada", "7392", "two"] and out.stages == [stage] and out.policy == "full"
+    assert "| answer | 1 | 0.500 | 3 | 8 |  |" in out.table()
 
 
 def test_the_context_is_compressed_once_and_its_stages_are_measured(llama, char_tokenizer):

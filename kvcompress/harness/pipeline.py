@@ -4,7 +4,7 @@ What kvpress's ``kv-press-text-generation`` pipeline offers, measured as the res
 
     pipe = kvcompress.pipeline(model, tokenizer, "snapkv", compression_ratio=0.5)
     out = pipe(context, questions=["Who wrote it?", "When?"], max_new_tokens=32)
-    out.answers        # ["...", "..."]
+    out.answers        # ["...", "..."]; out[0], out[-1:], len(out) and ``for answer in out`` read them too
     out.stages         # seconds and bytes of the prefill, the context pass and each answer
 
 The context is prefilled once (with a query-agnostic selector's context pass: KVzip reconstructs it), its
@@ -22,6 +22,7 @@ The model's attention implementation and config are left as they were after each
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -37,11 +38,21 @@ class Answers:
     """``answers`` (one per question, in order) and ``stages``: a list of dicts, one per stage, each with
     ``stage`` (``prefill``, ``context_pass``, ``answer``), ``seconds``, ``tokens`` (fed, or generated for an
     answer), ``cache_bytes`` (every byte the cache holds after the stage) and ``tokens_stored`` (mean per
-    layer); an answer's stage also names its ``question`` index."""
+    layer); an answer's stage also names its ``question`` index. Iterating, indexing (slices too) and
+    ``len`` read ``answers``."""
 
     answers: list[str]
     stages: list[dict] = field(default_factory=list)
     policy: str = ""
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.answers)
+
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        return self.answers[index]
+
+    def __len__(self) -> int:
+        return len(self.answers)
 
     def table(self) -> str:
         """The stages as a markdown table."""
