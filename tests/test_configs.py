@@ -102,6 +102,38 @@ def test_every_method_is_named_by_its_registry_name(group):
     assert {n: make(n).name for n in names} == {n: n for n in names}
 
 
+@pytest.mark.parametrize("group", ["policy", "storage"])
+def test_hydra_composes_every_declared_field_under_the_yaml(group):
+    """``policy=<name>`` composes every field its class declares, at the YAML's value or the dataclass
+    default: the registry's config (``registry.load``), as when each YAML listed them all."""
+    from kvcompress.core import registry
+
+    for name in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
+        cfg = _compose(*(["policy=full"] if group == "storage" else []), f"{group}={name}", hydra_cfg=False)
+        assert OmegaConf.to_container(cfg[group]) == registry.load(group, name), name
+    assert "storage" not in _compose(hydra_cfg=False)  # no storage chosen: none composed
+
+
+def test_any_declared_field_overrides_whether_its_yaml_lists_it_or_not():
+    overrides = ["policy=snapkv", "policy.kernel_size=7", "storage=quant", "storage.bits=2"]  # none in a YAML
+    cfg = _compose(*overrides, hydra_cfg=False)
+    assert cfg.policy.kernel_size == 7 and cfg.storage.bits == 2 and cfg.storage.recent == 128
+    assert _compose("point=kvzip_r75_int4", "policy.apply_to=all", hydra_cfg=False).policy.apply_to == "all"
+    with pytest.raises(Exception, match=r"policy.nope"):  # Hydra refuses a key the class does not declare
+        _compose("policy=snapkv", "policy.nope=1", hydra_cfg=False)
+
+
+def test_a_plugin_policy_composes_whole_where_the_search_path_reaches_its_yaml():
+    """knorm's YAML is ``_target_`` and ``recent``: through ``hydra.searchpath`` it composes with every field
+    it inherits, and those override like its own."""
+    from conftest import PLUGINS
+
+    plugin = f"hydra.searchpath=[file://{PLUGINS / 'conf'}]"
+    cfg = _compose(plugin, "policy=knorm", "policy.unit=chunk", hydra_cfg=False).policy
+    assert cfg._target_ == "example_selector.KnormPolicy" and cfg.recent == 1 and cfg.unit == "chunk"
+    assert cfg.budget is None and cfg.compression_ratio is None and cfg.apply_to == "full_attention"
+
+
 def test_a_policy_class_no_yaml_names_is_refused_by_name():
     from dataclasses import dataclass
 

@@ -1,10 +1,9 @@
 """Field declarations are the one validation layer: every declared constraint of every selector and storage
-refuses bad values with a message naming the field; dataclass defaults and YAML defaults agree; deprecated
-spellings still work and say what replaces them."""
+refuses bad values with a message naming the field; the dataclass is the one declaration of the defaults (a
+YAML holds only what differs); removed spellings are refused naming what replaces them."""
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import pytest
@@ -12,7 +11,7 @@ from conftest import POLICY_NAMES, STORAGE_NAMES
 
 from kvcompress import make_policy
 from kvcompress.core.fields import bad_values
-from kvcompress.core.registry import from_name, import_target, load, make_storage
+from kvcompress.core.registry import declared, from_name, import_target, load, make_storage, written
 
 CLASSES = {f"policy/{n}": load("policy", n)["_target_"] for n in POLICY_NAMES}
 CLASSES |= {f"storage/{n}": load("storage", n)["_target_"] for n in STORAGE_NAMES}
@@ -39,18 +38,54 @@ def test_bad_values_cover_every_declared_field():
 
 
 @pytest.mark.parametrize("where", sorted(CLASSES))
-def test_dataclass_defaults_equal_the_yaml(where):
+def test_a_yaml_repeats_no_default_its_dataclass_declares(where):
+    """The dataclass is the one declaration of a config's fields and defaults: its YAML holds ``_target_`` and
+    only values that differ (so a field added to a base class touches one file), and the whole config is
+    every declared field at the YAML's value or the default; building by name gives exactly that."""
     group, name = where.split("/")
-    cfg = load(group, name)
-    cls = import_target(cfg.pop("_target_"))
-    if group == "policy" and dataclasses.fields(cls) and "rules" in {f.name for f in dataclasses.fields(cls)}:
-        pytest.skip(f"{name} is a schedule: its YAML is the whole definition")
-    made = cls()
-    for field, value in cfg.items():
-        if field == "policy":  # PyramidKV's inner policy: a config dict in both places
-            continue
-        assert getattr(made, field) == (value if value is not None else getattr(made, field)), field
-    assert _build(where).describe() == made.describe()
+    own, whole = written(group, name), load(group, name)
+    cls = import_target(own.pop("_target_"))
+    defaults = declared(cls)
+    repeated = {k: v for k, v in own.items() if v == defaults[k]}
+    assert not repeated, f"{group}/{name}.yaml repeats its dataclass's defaults {repeated}: leave them out"
+    assert whole == {"_target_": whole["_target_"], **defaults, **own} and list(whole)[1:] == list(defaults)
+    by_name, by_config = _build(where).describe(), _build_from(cls, group, whole).describe()
+    assert by_name | {"name": name} == by_config | {"name": name}  # a schedule's dict config is "schedule"
+
+
+def _build_from(cls, group: str, cfg: dict):
+    fields = {k: v for k, v in cfg.items() if k != "_target_"}
+    return make_policy({"_target_": cfg["_target_"], **fields}) if group == "policy" else cls(**fields)
+
+
+def test_a_plugin_yaml_of_target_and_one_changed_field_is_a_whole_config():
+    """tests/plugins' knorm YAML is two lines, ``_target_`` and its own ``recent`` (set apart from the
+    default): every field it inherits (EvictionPolicy's budget, ratio, unit...) is there at its default, any
+    of them overrides by name, and a name that is no field is refused, listing the real ones."""
+    from kvcompress.selectors.eviction.base import EvictionPolicy
+
+    assert written("policy", "knorm") == {"_target_": "example_selector.KnormPolicy", "recent": 1}
+    inherited = set(declared(EvictionPolicy))
+    assert inherited <= set(load("policy", "knorm")) and {"budget", "unit", "apply_to"} <= inherited
+    policy = make_policy("knorm", unit="chunk", chunk_size=4, apply_to="all")
+    assert (policy.recent, policy.unit, policy.chunk_size, policy.apply_to) == (1, "chunk", 4, "all")
+    assert make_policy("knorm").recent == 1 and make_policy("knorm", recent=3).recent == 3
+    with pytest.raises(ValueError, match=r"policy 'knorm' has no field\(s\) \['nope'\]; fields: \[.*'unit'"):
+        make_policy("knorm", nope=1)
+    assert written("storage", "fp8") == {"_target_": "example_storage.Fp8Storage"}  # one line
+    assert make_storage({"name": "fp8", "recent": 4}).recent == 4
+
+
+def test_a_yaml_key_that_is_no_field_is_refused_naming_the_file(tmp_path, monkeypatch):
+    from kvcompress.core import registry
+
+    (tmp_path / "policy").mkdir()
+    (tmp_path / "policy" / "typo.yaml").write_text("_target_: kvcompress.selectors.H2OPolicy\nbudgt: 8\n")
+    monkeypatch.setenv(registry.ENV, str(tmp_path))
+    with pytest.raises(
+        ValueError, match=r"typo.yaml sets \['budgt'\], not fields of .*H2OPolicy; its fields: "
+    ):
+        make_policy("typo")
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from hydra import compose, initialize_config_dir
 
+import kvcompress.harness.cli  # noqa: F401  (the resolvers and declared/ groups the configs compose)
 from kvcompress.core.registry import CONF_DIR as REGISTRY_DIR
 from kvcompress.harness.app import run_experiment
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+import kvcompress.harness.cli  # noqa: F401  (the resolvers and declared/ groups the configs compose)
 from kvcompress.core.registry import CONF_DIR as REGISTRY_DIR
 from kvcompress.harness import app
 from kvcompress.harness.results import code_version, load_record
@@ -94,6 +95,23 @@ def test_records_of_unknown_version_are_rerun_unless_resume_any(tmp_path, tiny_c
     (tmp_path / "run" / RESULTS_FILE).write_text(json.dumps(old))
     assert completed_record(tmp_path / "run", config_of, "true", unknown) is None
     assert "current code version is unknown" in capsys.readouterr().out
+
+
+def test_a_record_without_a_field_at_its_default_is_the_same_config(tmp_path, capsys):
+    """A policy field a record lacks stands at its declared default (records of kvzip written before its
+    config listed ``apply_to``): the run is reused; the same field at another value is a new config."""
+    import json
+
+    from kvcompress.harness.results import RESULTS_FILE
+
+    policy = {"_target_": "kvcompress.selectors.KVzipPolicy", "compression_ratio": 0.75}
+    config = {"policy": {**policy, "apply_to": "full_attention"}, "task": {"max_tokens": 64}}
+    old = {"status": "ok", "config": {**config, "policy": policy}, "metrics": {"x": 1}, "code_version": V1}
+    (tmp_path / RESULTS_FILE).write_text(json.dumps(old))
+    assert completed_record(tmp_path, config, "true", V1)["metrics"] == {"x": 1}
+    other = {**config, "policy": {**policy, "apply_to": "all"}}
+    assert completed_record(tmp_path, other, "true", V1) is None
+    assert "config changed since the recorded run" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("value", ["maybe", 1, None, "ANY "])

@@ -1,7 +1,13 @@
-"""Config groups as the registry: ``conf/policy/<name>.yaml`` and ``conf/storage/<name>.yaml`` name what
-exists, their ``_target_`` says which class builds it. Extra folders laid out the same way (a ``policy/``
-and/or ``storage/`` subfolder) join through ``KVCOMPRESS_CONF_PATH`` (``os.pathsep``-separated), so a new
-selector or storage in your own package is one module plus one YAML.
+"""Config groups as the registry: ``policy/<name>.yaml`` and ``storage/<name>.yaml`` under ``CONF_DIR``
+(``kvcompress/conf``, inside the package, so an installed wheel knows every policy) name what exists; their
+``_target_`` says which class builds it. Extra folders laid out the same way (a ``policy/`` and/or
+``storage/`` subfolder) join through ``KVCOMPRESS_CONF_PATH`` (``os.pathsep``-separated), so a new selector
+or storage in your own package is one module plus one YAML.
+
+The dataclass is the one declaration of a config's fields and defaults: a YAML holds its ``_target_`` and
+only the values that differ (``load`` lays them over ``declared(cls)``), so a field added to a base class
+reaches every YAML, and any field of the class can be overridden by name. The Hydra app composes the same
+way (``kvcompress.harness.hydra_groups``).
 
 A saved file (a cache file's policy and classes) may name only classes of kvcompress or of a package a
 registered YAML's ``_target_`` lives in (``trusted``); anything else is refused before it is imported.
@@ -10,6 +16,7 @@ registered YAML's ``_target_`` lives in (``trusted``); anything else is refused 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import importlib
 import os
@@ -40,13 +47,66 @@ def known(group: str) -> list[str]:
 
 
 def load(group: str, name: str) -> dict:
-    """The YAML of ``group/name`` as a plain dict; a clear error listing the known names otherwise."""
+    """``group/name`` as a plain dict: its ``_target_``, then every field the class declares, at the YAML's
+    value where it sets one and at the dataclass default otherwise (``declared``). A clear error listing the
+    known names for an unknown name, and naming the file and the class's fields for a YAML key that is not
+    a field."""
     files = _files(group)
     if name not in files:
         plural = {"policy": "policies", "storage": "storages"}.get(group, group)
         raise ValueError(f"{group}={name!r} is unknown; known {plural}: {sorted(files)}")
     path = files[name]
-    return copy.deepcopy(_parsed(str(path), path.stat().st_mtime_ns))  # the caller may change its copy
+    own = copy.deepcopy(_parsed(str(path), path.stat().st_mtime_ns))  # the caller may change its copy
+    target = own.get("_target_") if isinstance(own, dict) else None
+    if not isinstance(target, str):
+        raise ValueError(f"{path}: a {group} YAML needs a _target_ (the class that builds it)")
+    cls = import_target(target)
+    fields = declared(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init} if dataclasses.is_dataclass(cls) else set(own)
+    stray = sorted(set(own) - names - {"_target_"})
+    if stray:
+        raise ValueError(f"{path} sets {stray}, not fields of {target}; its fields: {sorted(fields)}")
+    return {"_target_": target, **fields, **own}
+
+
+def written(group: str, name: str) -> dict:
+    """The YAML of ``group/name`` as written: its ``_target_`` and the values that differ from the declared
+    defaults (``load`` gives the whole config)."""
+    load(group, name)  # an unknown name or a stray key fails here, by name
+    path = _files(group)[name]
+    return copy.deepcopy(_parsed(str(path), path.stat().st_mtime_ns))
+
+
+def declared(cls: type) -> dict:
+    """The config fields ``cls`` declares, at their defaults: its dataclass fields in order, keyword-only
+    ones (``apply_to``) last, without a policy's ``storage`` (its own config group) or a field with no
+    default (its YAML sets it). ``{}`` for a class that is not a dataclass."""
+    return copy.deepcopy(_declared(cls))  # a default list or dict is the caller's to change
+
+
+@functools.lru_cache(maxsize=128)
+def _declared(cls: type) -> dict:
+    if not dataclasses.is_dataclass(cls):
+        return {}
+    fields = [f for f in dataclasses.fields(cls) if f.init and f.name != "storage"]  # a policy's storage axis
+    out = {}
+    for f in [f for f in fields if not f.kw_only] + [f for f in fields if f.kw_only]:
+        if f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+        elif f.default is not dataclasses.MISSING:  # a field with no default is its YAML's to set
+            out[f.name] = f.default
+    return out
+
+
+def with_declared(cfg: dict) -> dict:
+    """A ``{_target_: ..., field: value}`` config with every field it lacks at its declared default (a
+    record written before a field existed stands at that default); ``cfg`` itself when its class does not
+    import."""
+    try:
+        fields = declared(import_target(cfg["_target_"]))
+    except (ImportError, AttributeError, ValueError, KeyError, TypeError):
+        return cfg
+    return {"_target_": cfg["_target_"], **fields, **cfg}
 
 
 @functools.lru_cache(maxsize=256)
@@ -108,11 +168,11 @@ def _targets(group: str, conf_path: str) -> dict[type, list[str]]:
     of ``KVCOMPRESS_CONF_PATH`` they were read under); a ``_target_`` that does not import is skipped (it
     fails by name when that config is used)."""
     out: dict[type, list[str]] = {}
-    for name in known(group):
-        target = load(group, name).get("_target_")
+    for name, path in _files(group).items():
+        target = _parsed(str(path), path.stat().st_mtime_ns)
         try:
-            cls = import_target(target)
-        except (ImportError, AttributeError, ValueError):
+            cls = import_target(target.get("_target_"))
+        except (ImportError, AttributeError, ValueError, TypeError):
             continue
         out.setdefault(cls, []).append(name)
     return out
@@ -134,14 +194,14 @@ def instantiate(cfg: dict, what: str):
 
 
 def from_name(group: str, name: str, params: dict, always: tuple = ()):
-    """Instantiate ``group/name`` with field overrides ``params`` (each must be a field of its YAML)."""
+    """Instantiate ``group/name`` with field overrides ``params``: each a field its class declares (whether
+    its YAML sets it or not) or one of ``always``."""
     cfg = load(group, name)
-    unknown = set(params) - set(cfg) - set(always)
-    refuse_renamed(name, set(cfg), sorted(unknown), group)  # a removed field: say what replaced it
+    fields = set(cfg) - {"_target_"}
+    unknown = set(params) - fields - set(always)
+    refuse_renamed(name, fields, sorted(unknown), group)  # a removed field: say what replaced it
     if unknown:
-        raise ValueError(
-            f"{group} {name!r} has no field(s) {sorted(unknown)}; fields: {sorted(set(cfg) - {'_target_'})}"
-        )
+        raise ValueError(f"{group} {name!r} has no field(s) {sorted(unknown)}; fields: {sorted(fields)}")
     made = instantiate({**cfg, **params}, group)
     if group == "policy":  # the one name of a class several YAMLs build (a schedule preset)
         made.registry_name = name

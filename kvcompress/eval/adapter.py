@@ -24,8 +24,9 @@ from lm_eval.models.huggingface import HFLM
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
+from kvcompress.core import registry
 from kvcompress.core.attention import set_backend
-from kvcompress.core.cache import CONF_DIR, build_cache, known_policies, make_policy
+from kvcompress.core.cache import build_cache, known_policies, make_policy
 from kvcompress.core.fields import refuse_renamed
 from kvcompress.core.policy import Policy
 from kvcompress.eval.batching import check_batch_size, equal_length_groups
@@ -75,7 +76,7 @@ def split_policy_args(policy, kwargs: dict) -> tuple[Policy, dict]:
         return make_policy(dict(OmegaConf.to_container(OmegaConf.create(policy)))), rest
     if policy not in known_policies():
         raise ValueError(f"policy={policy!r} is unknown; known policies: {known_policies()}")
-    fields = set(OmegaConf.load(CONF_DIR / "policy" / f"{policy}.yaml")) - {"_target_"}
+    fields = set(registry.load("policy", policy)) - {"_target_"}  # every field its class declares
     params, rest, hf = {}, {}, hf_arguments()
     for key, value in kwargs.items():
         name = key.removeprefix(POLICY_PREFIX)

@@ -11,6 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+import kvcompress.harness.hydra_groups  # noqa: F401  (the declared/ groups the primary config composes)
 from kvcompress.core.registry import CONF_DIR as REGISTRY_DIR
 from kvcompress.harness.sweep import run_dirname
 

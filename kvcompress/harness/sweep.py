@@ -16,6 +16,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from kvcompress.core.registry import with_declared
 from kvcompress.harness.results import code_version, load_record
 
 # Keys that do not change what a run measures: a resumed sweep may log elsewhere or be renamed.
@@ -31,7 +32,13 @@ def run_dirname(overrides: str, max_len: int = 120) -> str:
 
 
 def _comparable(config: dict) -> dict:
-    plain = json.loads(json.dumps(config, default=str))  # what results.json holds after a round trip
+    """``config`` as a record compares: after a JSON round trip (what results.json holds), without
+    ``IGNORED_KEYS``, and with the fields its policy and storage lack at their declared defaults (a record
+    written before a field existed, or before the config listed it, stands at that default)."""
+    plain = json.loads(json.dumps(config, default=str))
+    for group in ("policy", "storage"):
+        if isinstance(plain.get(group), dict) and "_target_" in plain[group]:
+            plain[group] = with_declared(plain[group])
     return {k: v for k, v in plain.items() if k not in IGNORED_KEYS}
 
 

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from kvcompress.core.fields import _KEY
-from kvcompress.core.registry import CONF_DIR, import_target
+from kvcompress.core.registry import CONF_DIR, import_target, load
 from kvcompress.harness.report import markdown_table
 
 ARXIV = re.compile(r"arXiv[ :]*(\d{4}\.\d{4,5})")
@@ -40,9 +40,11 @@ def first_line(cls, short: bool = False) -> str:
 
 
 def arg_docs(cls) -> dict[str, str]:
-    """``name: text`` entries of the Args sections of ``cls``'s docstring and its bases' (Google style)."""
+    """``name: text`` entries of the Args sections of ``cls``'s docstring and its bases' (Google style), and
+    of its storage's for a storage preset."""
     found: dict[str, str] = {}
-    for klass in cls.__mro__:
+    presets = [cls.storage_class] if getattr(cls, "storage_class", None) else []  # a preset's fields
+    for klass in [*cls.__mro__, *presets]:
         doc = inspect.cleandoc(klass.__doc__ or "")
         section = doc.split("Args:", 1)[1] if "Args:" in doc else ""
         for m in re.finditer(r"^ {4}([\w /]+?): (.+?)(?=^ {4}[\w /]+?: |\Z|^\S)", section, re.M | re.S):
@@ -114,22 +116,41 @@ def allowed(f: dataclasses.Field) -> str:
 
 
 def fields_block(args, options, root: Path, md_path: Path) -> str:
-    """``fields GROUP NAME``: each field of ``conf/GROUP/NAME.yaml``: default, what it accepts (declared in
-    the class), and the YAML's own comment on it."""
+    """``fields GROUP NAME``: each field the class of ``GROUP/NAME`` declares: its default there (the YAML's
+    value where it sets one), what it accepts (declared in the class), and what it means: the YAML's comment
+    on it (``field: value  # ...`` or ``#   field: ...``), else the docstring's."""
     group, name = args
     text, cls = _yaml(group, name), _target(group, name)
-    declared, docs = {f.name: f for f in dataclasses.fields(cls)}, arg_docs(cls)
+    declared, docs, comments = {f.name: f for f in dataclasses.fields(cls)}, arg_docs(cls), _comments(text)
     rows = []
-    for line in text.splitlines():
-        m = re.match(r"^(\w+):\s*(.*?)\s*(?:#\s*(.*))?$", line)
-        if not m or m.group(1) == "_target_" or m.group(1) not in declared:
+    for field, value in load(group, name).items():
+        if field == "_target_":
             continue
-        meaning = (m.group(3) or docs.get(m.group(1), "")).replace("|", "\\|").replace("<", "&lt;")
-        rows.append({"field": f"`{m.group(1)}`", "default": f"`{m.group(2)}`",
-                     "accepts": allowed(declared[m.group(1)]), "meaning": meaning})  # fmt: skip
+        meaning = (comments.get(field) or docs.get(field, "")).replace("|", "\\|").replace("<", "&lt;")
+        rows.append({"field": f"`{field}`", "default": f"`{_shown(value)}`",
+                     "accepts": allowed(declared[field]), "meaning": meaning})  # fmt: skip
     if not rows:
         return f"_`{name}` has no fields._"
     return markdown_table(rows, ["field", "default", "accepts", "meaning"])
+
+
+def _comments(text: str) -> dict[str, str]:
+    """``{field: comment}`` from a YAML's ``field: value  # comment`` and ``#   field: comment`` lines."""
+    found = {}
+    for line in text.splitlines():
+        m = re.match(r"^(\w+):\s*.*?\s*#\s*(.*)$", line) or re.match(r"^#\s+(\w+): (.+)$", line)
+        if m and m.group(1) != "_target_":
+            found.setdefault(m.group(1), m.group(2).strip())
+    return found
+
+
+def _shown(value) -> str:
+    """A default as YAML writes it (a nested config by its class's name)."""
+    if isinstance(value, dict) and "_target_" in value:
+        return value["_target_"].rpartition(".")[2]
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return str(value)
 
 
 def memory_block(args, options, root: Path, md_path: Path) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvcompress.core.registry import CONF_DIR
+from kvcompress.core import registry
 from kvcompress.harness.report import _natural_key, flatten, load_records, markdown_table
 from kvcompress.metrics.stats import interval_fields, wilson
 
@@ -15,14 +15,12 @@ MOVED = ("kvcompress.policies.", "kvcompress.selectors.")  # the package of a ``
 
 
 def _defaults(group: str, name: str | None) -> dict:
-    from omegaconf import OmegaConf
-
-    path = CONF_DIR / group / f"{name}.yaml"
-    return OmegaConf.to_container(OmegaConf.load(path)) if name and path.is_file() else {}
+    """The config of ``group/name`` today (every declared field); ``{}`` for a name no longer registered."""
+    return registry.load(group, name) if name in registry.known(group) else {}
 
 
 def settings(record: dict) -> str:
-    """The policy and storage fields that differ from their YAML defaults (``budget=512 bits=4``)."""
+    """The policy and storage fields that differ from their defaults (``budget=512 bits=4``)."""
     config = record.get("config", {})
     policy, storage = dict(config.get("policy") or {}), dict(config.get("storage") or {})
     out = []
