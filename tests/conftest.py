@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from kvcompress import kernels
+from kvcompress.core import executor
 from kvcompress.core.cache import known_policies, known_storages, make_policy
 from kvcompress.core.registry import ENV, make_storage
 from kvcompress.kernels import ISA_ENV, ISAS
@@ -212,3 +213,12 @@ def make_char_tokenizer():
 @pytest.fixture(scope="session")
 def char_tokenizer():
     return make_char_tokenizer()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_backend_choices():
+    """Each test starts and ends with no remembered backend choice (``executor.backend_for``): tests that
+    replace the backends or a kernel loader must not leave their answers to the next test."""
+    executor.forget()
+    yield
+    executor.forget()

@@ -147,3 +147,15 @@ class Compact:
 
     def __bool__(self) -> bool:
         return len(self) > 0
+
+
+class Standalone(torch.nn.Module):
+    """The attention module for a plan run by hand (``execute(plan, Call(Standalone(), ...))``): plain causal
+    softmax attention, no soft-capping, sinks or dropout."""
+
+    is_causal = True
+
+    def __init__(self):
+        super().__init__()
+        self.config = type("Config", (), {"attn_logit_softcapping": None})()
+        self.eval()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_tiny
+from helpers import Standalone
 
 from kvcompress import build_cache
 from kvcompress.core import executor
@@ -45,6 +46,7 @@ def reference_backend():
     executor.register(Reference())
     yield
     executor.BACKENDS[:] = saved
+    executor.forget()
 
 
 def test_every_step_is_counted_under_the_backend_that_ran():
@@ -69,7 +71,7 @@ def test_a_registered_backend_is_chosen_and_gives_the_same_logits(reference_back
     ours = build_cache("full", model)
     logits = _decode(model, ours, ids)
     assert attention_backends(ours) == {"reference": ids.shape[1] * len(ours.layers)}
-    executor.BACKENDS[:] = [b for b in executor.BACKENDS if b.name != "reference"]
+    executor.unregister("reference")
     sdpa = build_cache("full", model)
     torch.testing.assert_close(logits, _decode(model, sdpa, ids), atol=1e-5, rtol=1e-5)
     assert attention_backends(sdpa) == {"sdpa": ids.shape[1] * len(sdpa.layers)}
@@ -79,8 +81,6 @@ def test_a_plan_no_backend_serves_is_refused_naming_what_each_lacks(monkeypatch)
     """With no backend for dense reads, the executor says, per backend, what is missing."""
     monkeypatch.setattr(executor, "BACKENDS", [backends.Cpu()])
     q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 5, 8)
-    from kvcompress.core.executor import Standalone
-
     why = r"no attention backend serves a dense read .*cpu: reads KIVI codes and Quest pages only, not dense"
     with pytest.raises(Unserved, match=why):
         execute(Plan(Dense(k, k, None)), Call(Standalone(), q, 0.3, {}, "sdpa"))

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_tiny
+from helpers import Standalone
 
 pytest.importorskip("triton")
 
 from kvcompress import build_cache  # noqa: E402
-from kvcompress.core import executor  # noqa: E402
 from kvcompress.core.plan import Call, Dense, Plan  # noqa: E402
 from kvcompress.kernels import triton_backend  # noqa: E402
 from kvcompress.metrics.compression import attention_backends  # noqa: E402
@@ -79,14 +79,14 @@ def test_the_backend_declares_what_it_does_not_serve():
     own kernel; each with its reason."""
     backend = triton_backend.Triton()
     q, k = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 5, 16)
-    call = Call(executor.Standalone(), q, 0.25, {}, "sdpa")
+    call = Call(Standalone(), q, 0.25, {}, "sdpa")
     assert "CUDA tensors only" in backend.missing(Plan(Dense(k, k, None), "last"), call)
     with triton_backend.on_cpu():
         assert backend.missing(Plan(Dense(k, k, None), "last"), call) is None
         assert "plain ones" in backend.missing(Plan(Dense(k, k, None)), call)
         three_heads = torch.ones(1, 3, 1, 5, dtype=torch.bool)
         assert "not a key mask per KV head" in backend.missing(Plan(Dense(k, k, three_heads), "last"), call)
-        prefill = Call(executor.Standalone(), torch.randn(1, 4, 3, 16), 0.25, {}, "sdpa")
+        prefill = Call(Standalone(), torch.randn(1, 4, 3, 16), 0.25, {}, "sdpa")
         assert "one decode query" in backend.missing(Plan(Dense(k, k, None), "last"), prefill)
 
 

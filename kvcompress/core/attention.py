@@ -24,12 +24,6 @@ BACKENDS = ("sdpa", "eager")
 HOOKS = "_kvcompress_hooks"  # the model attribute holding install()'s hook handles
 
 
-def _take_layer(module, kwargs: dict):
-    """The policy layer that just stored this module's keys (this forward's own state), or None."""
-    state = kwargs.pop(forward_state.KEY, None)
-    return None if state is None else state.take(getattr(module, "layer_idx", -1))
-
-
 def backend_of(config) -> str:
     return getattr(config, "kvcompress_backend", "sdpa")
 
@@ -37,26 +31,44 @@ def backend_of(config) -> str:
 def kvcompress_mask(*args, attention_mask=None, config=None, **kwargs):
     """Mask function: the backend's usual mask (policy layers mask from their own state instead; the
     forward's padding reaches them through ``forward_state``)."""
-    fn = eager_mask if backend_of(config) == "eager" else sdpa_mask
+    fn = eager_mask if getattr(config, "kvcompress_backend", "sdpa") == "eager" else sdpa_mask
     return fn(*args, attention_mask=attention_mask, config=config, **kwargs)
 
 
 def kvcompress_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention function registered as ``"kvcompress"``: query (B, H, q, D), key/value (B, H_kv, T, D).
 
-    The layer that stored this module's keys turns its step into a ``Plan`` (what attention reads), the
-    executor runs it with a backend that serves it, and the layer finishes its step with what attention
-    gave (its selector's scores). Without a kvcompress layer the plan is the dense read of ``key``/``value``.
+    The layer that stored this module's keys (this forward's own ``ForwardState`` says which) turns its step
+    into a ``Plan`` (what attention reads); the backend that serves the plan's signature runs it, or, when
+    none serves a compact read, the layer gives the same step as a dense read; the layer then finishes its
+    step with what attention gave (its selector's scores). Without a kvcompress layer the plan is the dense
+    read of ``key``/``value``.
     """
-    layer = _take_layer(module, kwargs)
+    state = kwargs.pop(forward_state.KEY, None)
+    layer = None if state is None else state.take(getattr(module, "layer_idx", -1))
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    call = Call(module, query, scaling, kwargs, backend_of(module.config), dropout)
+    call = Call(module, query, scaling, kwargs, getattr(module.config, "kvcompress_backend", "sdpa"), dropout)
     if layer is None:
         return execute(Plan(Dense(key, value, attention_mask)), call)[0], None
-    with TIMER.measure():
-        plan = layer.plan(query, key, value)
-    out, probs, ran = execute(plan, call)
-    layer.attended(plan, call, out, probs, ran)
+    if TIMER.enabled:  # policy time: the plan and what the layer does with attention's result
+        TIMER.start()
+    plan = layer.plan(query, key, value)
+    backend = executor.backend_for(plan, call)
+    if backend is None:
+        if plan.read.form == "dense" or plan.read.required:
+            raise executor.refusal(plan, call)
+        plan = layer.dense_plan(plan)  # no backend reads this compact form here: the same tokens, dense
+        backend = executor.backend_for(plan, call)
+        if backend is None:
+            raise executor.refusal(plan, call)
+    if TIMER.enabled:
+        TIMER.stop()
+    out, probs = backend.run(plan, call)
+    if TIMER.enabled:
+        TIMER.start()
+    layer.attended(plan, call, out, probs, backend.name)
+    if TIMER.enabled:
+        TIMER.stop()
     return out, None
 
 

@@ -60,29 +60,44 @@ def _capacity(x: torch.Tensor, dim: int = 2) -> int:
 
 
 class Slots:
-    """Per-layer record of the buffers this layer allocated (by name), and the operations on them."""
+    """Per-layer record of the buffers this layer allocated (by name), and the operations on them.
+
+    Each record is the buffer's storage address, its shape (entries along the grown dim: its capacity) and
+    strides, so whether a tensor is a leading slice of an owned buffer, and its room, are known without
+    reading the storage's layout again on every step."""
 
     def __init__(self):
-        self._owned: dict[str, int] = {}
+        self._owned: dict[str, tuple[int, int, tuple, tuple]] = {}  # name -> (address, dim, shape, strides)
 
     def clear(self) -> None:
         self._owned.clear()
+
+    def _adopt(self, name: str, buf: torch.Tensor, dim: int) -> None:
+        self._owned[name] = (buf.untyped_storage().data_ptr(), dim % buf.dim(), buf.shape, buf.stride())
 
     def _alloc(self, name: str, like: torch.Tensor, n: int, dim: int = 2) -> torch.Tensor:
         """A buffer shaped like ``like`` with ``n`` entries and their headroom along ``dim``, owned here."""
         shape = list(like.shape)
         shape[dim] = n + headroom(n)
         buf = torch.empty(shape, dtype=like.dtype, device=like.device)
-        self._owned[name] = buf.untyped_storage().data_ptr()
+        self._owned[name] = (buf.untyped_storage().data_ptr(), dim % buf.dim(), buf.shape, buf.stride())
         return buf
 
     def room(self, name: str, x: torch.Tensor, dim: int = 2) -> int:
-        """Free entries after ``x`` along ``dim`` in a buffer this layer owns (0 for any other tensor)."""
-        return _capacity(x, dim) - x.shape[dim] if self.owns(name, x) else 0
+        """Free entries after ``x`` along ``dim`` in a buffer this layer owns, of which ``x`` is a leading
+        slice along ``dim`` (0 for any other tensor)."""
+        owned = self._owned.get(name)
+        if owned is None or x.untyped_storage().data_ptr() != owned[0] or x.storage_offset():
+            return 0
+        at, shape, strides = owned[1], owned[2], owned[3]
+        if dim % x.dim() != at or x.stride() != strides or x.shape[:at] != shape[:at]:
+            return 0
+        return shape[at] - x.shape[at] if x.shape[at + 1 :] == shape[at + 1 :] else 0
 
     def owns(self, name: str, x: torch.Tensor) -> bool:
         """Whether ``x`` lives in a buffer this layer allocated (so it may be written in place)."""
-        return self._owned.get(name) == x.untyped_storage().data_ptr()
+        owned = self._owned.get(name)
+        return owned is not None and owned[0] == x.untyped_storage().data_ptr()
 
     def store(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """Adopt a foreign tensor as is (no copy): it will never be written in place."""
@@ -111,18 +126,21 @@ class Slots:
             out = self._alloc(name, x, n + q, dim).narrow(dim, 0, n + q)
             out.narrow(dim, 0, n).copy_(x)
         tail = out.narrow(dim, n, q)
-        with writing(out):  # a buffer made under inference mode (a context pass) may grow outside it
-            if isinstance(new, torch.Tensor):
-                tail.copy_(new)
-            else:
-                tail.fill_(new)
+        inference = out.is_inference()  # a buffer made under inference mode (a context pass) may grow outside
+        if torch.is_inference_mode_enabled() != inference or torch.is_grad_enabled():
+            with _mode(inference):
+                _write(tail, new)
+        elif isinstance(new, torch.Tensor):  # a decode step: already in that mode, no context to enter
+            tail.copy_(new)
+        else:
+            tail.fill_(new)
         return out
 
     def take(self, name: str, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Rows ``idx`` (B, 1 or H, k) of ``x`` (B, H, T, D), copied into a fresh buffer (x is freed)."""
         k = idx.shape[-1]
         buf = gather_tokens(x, idx, headroom(k))
-        self._owned[name] = buf.untyped_storage().data_ptr()
+        self._adopt(name, buf, 2)
         return buf[:, :, :k]
 
     def take_spans(self, name: str, x: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
@@ -135,6 +153,13 @@ class Slots:
             buf[:, :, at : at + b - a] = x[:, :, a:b]
             at += b - a
         return buf[:, :, :k]
+
+
+def _write(tail: torch.Tensor, new) -> None:
+    if isinstance(new, torch.Tensor):
+        tail.copy_(new)
+    else:
+        tail.fill_(new)
 
 
 def gather_tokens(x: torch.Tensor, idx: torch.Tensor, extra: int = 0) -> torch.Tensor:

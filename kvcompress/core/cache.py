@@ -33,11 +33,14 @@ class KVCache(Cache):
         self._model = None if model is None else weakref.ref(model)  # for save(): its fingerprint
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        layer, state = self.layers[layer_idx], forward_state.of(kwargs.get("kwargs"))
-        with TIMER.measure():
-            keys, values = layer.update(
-                key_states, value_states, positions=_positions(key_states, args, kwargs), forward=state
-            )
+        layer, extra = self.layers[layer_idx], kwargs.get("kwargs")
+        state = extra.get(forward_state.KEY) if isinstance(extra, dict) else None
+        pos = _positions(key_states, args, kwargs)
+        if TIMER.enabled:
+            TIMER.start()
+        keys, values = layer.update(key_states, value_states, positions=pos, forward=state)
+        if TIMER.enabled:
+            TIMER.stop()
         if state is not None:
             state.stored(layer_idx, layer)
         return keys, values

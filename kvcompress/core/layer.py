@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvcompress.core import forward_state
 from kvcompress.core.buffers import Slots, storage_bytes, writing
 from kvcompress.core.context_mode import ContextPassMode
 from kvcompress.core.fused import window_scores
@@ -33,6 +32,9 @@ class PolicyLayer(LayerAttention, ContextPassMode, Rollback, CacheLayerMixin):
     per_token: tuple[str, ...] = ()  # (B, 1 or H_kv, T) tensors aligned with the stored tokens
     per_row: tuple[str, ...] = ()  # (B, ...) tensors
     deferred = False  # this step's attention reads the store's compact form (``plan``), not a dense copy
+    # the step's attention reads every stored token as stored (no selection of reads, no eviction inside the
+    # step), so the store's compact form can serve a decode step; False where ``compress``/``attend`` select
+    reads_as_stored = True
     probe = None  # a fidelity probe watching this layer (``watch``), or None
     read_pos: torch.Tensor | None = None  # (B, 1 or H_kv, T) positions this step's attention reads (probed)
     probe_only_pos = False  # ``pos`` is tracked only for the probe: not the policy's bytes
@@ -68,30 +70,34 @@ class PolicyLayer(LayerAttention, ContextPassMode, Rollback, CacheLayerMixin):
         self.is_initialized = True
 
     # -- the transformers contract -------------------------------------------------------------
-    def update(self, key_states, value_states, *args, **kwargs):
-        """Store this step's keys/values (B, H_kv, q, D); return what this step's attention must see."""
+    def update(self, key_states, value_states, *args, positions=None, forward=None, **kwargs):
+        """Store this step's keys/values (B, H_kv, q, D); return what this step's attention must see.
+        ``positions``: the model's ``position_ids`` (B or 1, q) or None; ``forward``: this forward's
+        ``ForwardState`` (its padding), None for a layer driven by hand."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.in_context_pass:  # a reconstruction step of the context pass: nothing is stored
-            return self.pass_update(key_states, value_states, kwargs.get("forward"))
+            return self.pass_update(key_states, value_states, forward)
         if self.deferred:  # the last step's attention never came: end that step now
             self.read_deferred()
         if self.probe is not None:
             self.probe.stored(self, key_states, value_states)
         b, _, q, _ = key_states.shape
-        new_valid = forward_state.validity(kwargs.get("forward"), b, q, key_states.device)
+        device = key_states.device
+        new_valid = None if forward is None else forward.new_token_validity(b, q, device)
         self.on_append(key_states, new_valid)
         if self.seen == 0 and self.chunked:
-            self.left_pad = _leading_padding(new_valid, b, key_states.device)
-        self.valid = cat_valid(self.valid, new_valid, self.stored_length(), b, q, key_states.device)
+            self.left_pad = _leading_padding(new_valid, b, device)
+        if new_valid is not None or self.valid is not None:
+            self.valid = cat_valid(self.valid, new_valid, self.stored_length(), b, q, device)
         if self.track:
-            self.pos = _cat_positions(self.slots, self.pos, self.seen, b, q, key_states.device)
-        self.store.append(key_states, value_states, kwargs.get("positions"))  # model's position_ids or None
+            self.pos = _cat_positions(self.slots, self.pos, self.seen, b, q, device)
+        self.store.append(key_states, value_states, positions)
         self.seen, self.step_tokens = self.seen + q, q
         if self.evicted != self.tail_evicted:  # an eviction since the tail began: it starts again here
             self.tail_tokens, self.tail_evicted = 0, self.evicted
         self.tail_tokens += q
-        if self._defers(q):
+        if self.reads_as_stored and q == 1 and self.valid is None and self._defers():
             self.deferred, self._view = True, (self.stored_length(), None, None)
             return _unread(key_states, self.stored_length()), _unread(value_states, self.stored_length())
         keys, values = self.store.read()
@@ -103,12 +109,12 @@ class PolicyLayer(LayerAttention, ContextPassMode, Rollback, CacheLayerMixin):
             self.end_step()
         return keys, values
 
-    def _defers(self, q: int) -> bool:
-        """Whether this step's attention can read the store's codes: one unpadded decode query on a
-        full-attention layer whose selector neither looks at nor narrows what is read."""
-        plain = type(self).compress is PolicyLayer.compress and type(self).attend is PolicyLayer.attend
-        simple = q == 1 and self.valid is None and self.window is None and not self.wants_scores
-        return plain and simple and self.probe is None and self.store.attends_codes()  # a probe reads K/V
+    def _defers(self) -> bool:
+        """Whether this unpadded one-query step's attention can read the store's codes: a full-attention
+        layer whose selector neither looks at the step's scores nor narrows what is read
+        (``reads_as_stored``), watched by no probe (a probe reads K/V), over a store with a compact read."""
+        simple = self.window is None and not self.wants_scores and self.probe is None
+        return simple and self.store.attends_codes()
 
     def read_deferred(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A deferred step's dense keys/values (B, H_kv, T, D), when its attention cannot read codes."""
@@ -316,7 +322,7 @@ class PolicyLayer(LayerAttention, ContextPassMode, Rollback, CacheLayerMixin):
         forwards of a context pass are not steps of the sequence: not counted."""
         if self.in_context_pass:
             return
-        visible = self.visible()
+        visible = self.seen if self.window is None else self.visible()
         read = tokens.clamp(max=visible) if isinstance(tokens, torch.Tensor) else min(tokens, visible)
         self.tokens_read, self.tokens_visible = self.tokens_read + read, self.tokens_visible + visible
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from kvcompress.core.plan import Dense, Plan
-from kvcompress.core.profiling import TIMER
 
 
 class LayerAttention:
@@ -21,43 +20,46 @@ class LayerAttention:
     observed_probs = "last"  # what ``observe_attention`` gets back from the backend (``plan.PROBS``)
 
     def plan(self, query, key, value) -> Plan:
-        """This step's plan for query (B, H, q, D) over what ``update`` returned (B, H_kv, T, D)."""
+        """This step's plan for query (B, H, q, D) over what ``update`` returned (B, H_kv, T, D): the store's
+        compact read for a step ``update`` deferred, else the dense read masked from the layer's state."""
         key, value, mask = self.attend(query, key, value)
         if self.deferred:
-            read = self.compact_read()
-            dense = None if read.required else self._dense_read
-            return Plan(read, dense=dense, done=self.compact_done)
-        probs = self.observed_probs if self.observes() else "none"
-        return Plan(Dense(key, value, expand_heads(mask, query.shape[1])), probs, self.grouped_decode)
+            return Plan(self.compact_read())
+        probs = self.observed_probs if self.wants_scores and self.observes() else "none"
+        if mask is not None:
+            mask = expand_heads(mask, query.shape[1])
+        return Plan(Dense(key, value, mask), probs, self.grouped_decode)
 
     def compact_read(self):
         """The deferred step's compact read (``kvcompress.core.plan``): the store's own."""
         return self.store.compact_read()
 
+    def dense_plan(self, plan: Plan) -> Plan:
+        """The deferred step of ``plan`` as a dense read, where no backend reads its compact form."""
+        key, value = self.read_deferred()
+        return Plan(Dense(key, value, None), plan.probs, plan.grouped)
+
     def compact_done(self) -> None:
         """After a compact read ran: the step ends (the store compresses what waited)."""
         self.deferred = False
-        with TIMER.measure():
-            self.end_step()
+        self.end_step()
 
-    def _dense_read(self) -> Dense:
-        with TIMER.measure():
-            key, value = self.read_deferred()
-        return Dense(key, value, None)
-
-    def attended(self, plan: Plan, call, out, probs, ran: tuple[str, str]) -> None:
-        """After attention: count what ran (backend, read form), show the probe what was read, give the
-        selector its scores (``probs``: the decode query's, when the backend computed them), end the step."""
-        if not self.in_context_pass:  # a context pass's reconstruction is not one of the model's steps
-            self.backends_ran[ran[0]] = self.backends_ran.get(ran[0], 0) + 1
-            self.reads_ran[ran[1]] = self.reads_ran.get(ran[1], 0) + 1
+    def attended(self, plan: Plan, call, out, probs, backend: str) -> None:
+        """After attention: count what ran (``backend``, the read's form), end a compact step, show the probe
+        what was read, give the selector its scores (``probs``: the decode query's, when the backend computed
+        them) and end the step."""
         read = plan.read
-        if self.probe is not None and plan.form == "dense":  # fidelity diagnostics, before any eviction
+        if not self.in_context_pass:  # a context pass's reconstruction is not one of the model's steps
+            self.backends_ran[backend] = self.backends_ran.get(backend, 0) + 1
+            self.reads_ran[read.form] = self.reads_ran.get(read.form, 0) + 1
+        if read.form != "dense":
+            self.compact_done()
+            return
+        if self.probe is not None:  # fidelity diagnostics, before any eviction
             self.probe.attended(self, call.query, read.key, read.value, read.mask, call.scaling, out)
         if plan.probs != "none":
-            with TIMER.measure():
-                self.observe_attention(call.query, read.key, call.scaling, probs)
-                self.end_step()
+            self.observe_attention(call.query, read.key, call.scaling, probs)
+            self.end_step()
 
 
 def expand_heads(mask: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:

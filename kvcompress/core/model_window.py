@@ -16,6 +16,7 @@ class ModelWindowLayer(PolicyLayer):
     transformers does); the step that brings them in still reads them all, masked by the window."""
 
     contiguous = True
+    reads_as_stored = False  # its step selects what is read (``compress``/``attend``)
 
     def compress(self, keys, values) -> None:
         keep, total = max(self.window - 1, 0), self.stored_length()

@@ -2,10 +2,11 @@
 
 A layer never calls a kernel. Its step yields a ``Plan``: one read (``Dense`` key/value views and a mask,
 ``Kivi`` packed codes plus the residual window, ``Latent`` low-rank parts, or ``Pages`` of a cache read in
-place), the query probabilities its selector needs afterwards (``probs``), and, for a compact read, how to
-make it dense when no backend serves it. ``kvcompress.core.executor`` picks a backend
-(``kvcompress.kernels.backends``)
-that declares support for the plan and runs it.
+place) and the query probabilities its selector needs afterwards (``probs``). A plan is frozen data: it
+holds tensors and small values, never a callable. ``kvcompress.core.executor`` picks a backend
+(``kvcompress.kernels.backends``) that declares support for the plan, once per plan signature; when none
+serves a compact read, the attention hook asks the layer for the same step as a dense read
+(``kvcompress.core.attention``).
 """
 
 from __future__ import annotations
@@ -86,17 +87,14 @@ class Pages:
 
 @dataclass(frozen=True)
 class Plan:
-    """One step's attention: its ``read``, the ``probs`` its selector needs (``PROBS``), and for a compact
-    read ``dense()``, the same tokens as a ``Dense`` read, used when no backend serves the compact form
-    (None: the compact form is ``required``, so a plan no backend serves is refused). ``grouped``: the
+    """One step's attention: its ``read`` and the ``probs`` its selector needs (``PROBS``). ``grouped``: the
     layer's decode query attends in the grouped form of the eviction layers where a backend offers it, so
-    equal kept tokens give equal outputs across selectors."""
+    equal kept tokens give equal outputs across selectors. A compact read that no backend serves is read
+    dense instead, unless it is ``required`` (then the step is refused by name)."""
 
     read: Dense | Kivi | Latent | Pages
     probs: str = "none"
     grouped: bool = False
-    dense: Callable[[], Dense] | None = None
-    done: Callable[[], None] | None = None  # after a compact read ran: the layer ends its step
 
     @property
     def form(self) -> str:

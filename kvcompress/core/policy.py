@@ -119,7 +119,11 @@ class Policy:
             from kvcompress.core.registry import make_storage
 
             return ModelWindowLayer(self, layer_idx, spec, make_storage(None).layer(layer_idx, spec))
-        return self.layer_class(self, layer_idx, spec, self.storage.layer(layer_idx, spec))
+        return self.layer_type()(self, layer_idx, spec, self.storage.layer(layer_idx, spec))
+
+    def layer_type(self) -> type:
+        """The class of this policy's layers (a variant of ``layer_class`` where an option asks for one)."""
+        return self.layer_class
 
     def describe(self) -> dict:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "storage"}

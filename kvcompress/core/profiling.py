@@ -16,8 +16,8 @@ import torch
 
 class PolicyTimer:
     """Accumulates seconds spent inside policy code while ``enabled``. ``with TIMER.measure():`` times a
-    block; the timer is its own context manager (no generator per call: the decode path enters it a few
-    times per layer and step), and blocks may nest (each is counted, as before)."""
+    block (blocks may nest: each is counted); the decode path instead calls ``start()``/``stop()`` behind an
+    ``if TIMER.enabled`` check, so a step pays one attribute read while the timer is off."""
 
     def __init__(self):
         self.enabled = False
@@ -27,6 +27,14 @@ class PolicyTimer:
 
     def reset(self) -> None:
         self.seconds, self.calls = 0.0, 0
+        self._starts.clear()
+
+    def start(self) -> None:
+        """Begin a timed block (only while ``enabled``); ``stop()`` ends it."""
+        self.__enter__()
+
+    def stop(self) -> None:
+        self.__exit__(None, None, None)
 
     def measure(self) -> PolicyTimer:
         return self

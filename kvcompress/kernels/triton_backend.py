@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from kvcompress.core import executor
 from kvcompress.core.executor import Backend
 from kvcompress.core.plan import Call, Plan
 
@@ -32,10 +33,12 @@ def on_cpu():
             "the triton backend runs CPU tensors only under TRITON_INTERPRET=1, set before import"
         )
     saved, _STATE["cpu"] = _STATE["cpu"], True
+    executor.forget()  # the backends' answers for CPU plans change
     try:
         yield
     finally:
         _STATE["cpu"] = saved
+        executor.forget()
 
 
 @functools.cache

@@ -23,6 +23,7 @@ class SlidingWindowLayer(PolicyLayer):
     """Evicts after each step so that at most ``sink_tokens + window`` tokens stay stored."""
 
     grouped_decode = True  # a decode query attends as other eviction layers do (``fused.decode_attention``)
+    reads_as_stored = False  # its step selects what is read (``compress``/``attend``)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -27,7 +27,7 @@ class DenseStore(Store):
     def append(self, keys, values, positions=None) -> None:
         for kind, x in zip(KINDS, (keys, values), strict=True):
             if kind in self.kinds:  # in place when the buffer has room
-                setattr(self, kind, self.slots.extend(kind, getattr(self, kind), x))
+                setattr(self, kind, self.slots.grow(kind, getattr(self, kind), x, dim=2))
 
     def read(self):
         return self.keys, self.values

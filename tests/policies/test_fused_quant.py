@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import kernel_or_skip, make_tiny
-from helpers import Compact
+from helpers import Compact, Standalone
 
 from kvcompress import build_cache, kernels
-from kvcompress.core.executor import Standalone, Unserved, execute
+from kvcompress.core.executor import Unserved, execute
 from kvcompress.core.plan import Call, Kivi, Plan
 from kvcompress.kernels import fused_quant
 from kvcompress.metrics.perplexity import decode_perplexity

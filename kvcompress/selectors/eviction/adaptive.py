@@ -26,6 +26,7 @@ layers. A flat layer takes no step of several tokens that would evict (or, for h
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -66,8 +67,22 @@ def refusal(policy, storage_name: str, window) -> str | None:
     return None
 
 
+@functools.cache
+def variant(layer_class: type) -> type:
+    """``layer_class`` (an ``EvictionLayer``) with head-adaptive budgets: built only for ``adaptive: true``,
+    so a layer without them runs no line of this module. Named ``Adaptive<Layer>`` in this module (a saved
+    cache names its layer's class)."""
+    name = f"Adaptive{layer_class.__name__}"
+    cls = type(name, (AdaptiveHeads, layer_class), {"__module__": __name__, "__qualname__": name})
+    globals()[name] = cls
+    return cls
+
+
 class AdaptiveHeads:
-    """Mixin of ``EvictionLayer``: the flat layout once ``flatten`` ran (``head_of`` set)."""
+    """Put before an ``EvictionLayer`` class by ``variant``: the flat layout once ``flatten`` ran (``head_of``
+    set). Its step reads each head's own pairs (``attend``), so codes are never read in its place."""
+
+    adaptive = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -99,6 +114,15 @@ class AdaptiveHeads:
         self.grouped_decode = False
         self.evicted += t - pairs.shape[-1] // h
         return pairs
+
+    def select_heads(self, prio: torch.Tensor, k: int) -> torch.Tensor:
+        """``EvictionLayer.select`` with adaptive budgets: one ranking of all (token, head) pairs (Ada-KV)
+        makes the layer flat; once flat, a decode step's pairs compete across heads (``flat_select``)."""
+        if self.flat:
+            return self.flat_select(prio, k)
+        return self.flatten(
+            allocate(prio.expand(-1, self.spec.num_kv_heads, -1), k, self.policy.adaptive_floor)
+        )
 
     def flat_select(self, prio: torch.Tensor, k: int) -> torch.Tensor:
         """A flat layer's decode-step eviction: the ``H_kv * k`` pairs of highest priority (B, 1, N) stay

@@ -88,6 +88,10 @@ class EvictionPolicy(Policy):
         if self.adaptive and self.apply_to == "all" and windowed:
             raise ValueError(ada.refusal(self, self.storage.name, spec.window(windowed[0])))
 
+    def layer_type(self) -> type:
+        """The layer class: ``adaptive.variant`` of ``layer_class`` with head-adaptive budgets."""
+        return ada.variant(self.layer_class) if self.adaptive else self.layer_class
+
     def keep_count(self, n_tokens: int) -> int:
         """Tokens a layer keeps per head after seeing ``n_tokens`` real tokens (at least 1)."""
         if self.budget is not None:
@@ -111,10 +115,13 @@ class EvictionPolicy(Policy):
         return min(s.total, self.keep_count(s.total))
 
 
-class EvictionLayer(ada.AdaptiveHeads, PolicyLayer):
-    """A layer that evicts from attention scores (``observe_attention``) instead of ``compress``."""
+class EvictionLayer(PolicyLayer):
+    """A layer that evicts from attention scores (``observe_attention``) instead of ``compress``. With
+    ``adaptive: true`` its policy builds ``adaptive.variant`` of the class instead (``adaptive`` True)."""
 
     wants_scores = True
+    adaptive = False  # head-adaptive budgets (``adaptive.AdaptiveHeads``): ``select_heads`` ranks pairs
+    reads_as_stored = False  # decode attention reads dense K/V, in the grouped form where it is one
 
     per_row = ("row_padding",)  # (B,) padding tokens consumed by each row
 
@@ -145,13 +152,14 @@ class EvictionLayer(ada.AdaptiveHeads, PolicyLayer):
         return None
 
     def row_targets(self, k: int) -> torch.Tensor | None:
-        """Tokens each row keeps (B, 1, 1) when a ratio sizes rows of different real lengths (each row from
-        its own real tokens, at most ``k``); None when every row keeps ``k``."""
+        """Tokens each row keeps (B, 1, 1) when a ratio sizes rows that have seen padding (each row from its
+        own real tokens, at most ``k``), as a device tensor: whether they all equal ``k`` is never read back
+        (a row keeping ``k`` marks nothing); None with a fixed budget or no padding ever seen."""
         if self.policy.budget is not None or self.row_padding is None:
             return None
         real = (self.seen - self.row_padding).double()
         own = (real * (1.0 - self.policy.compression_ratio) + 1e-9).floor().long().clamp(min=1, max=k)
-        return None if bool((own == k).all()) else own.view(-1, 1, 1)
+        return own.view(-1, 1, 1)
 
     def target(self) -> int:
         """Tokens to keep now: the budget, or a fraction of the longest row's real tokens."""
@@ -191,15 +199,11 @@ class EvictionLayer(ada.AdaptiveHeads, PolicyLayer):
         if self.unit == "chunk":
             prio = chunk_priority(prio, self.policy.chunk_size, self.valid, ~first)
         prio = torch.where(first, _BIG + order, prio)
-        if self.flat:  # the heads hold their own budgets: pairs compete across heads
-            return self.flat_select(prio, k)
-        if getattr(self.policy, "adaptive", False):  # one ranking of all (token, head) pairs (Ada-KV)
-            return self.flatten(
-                ada.allocate(prio.expand(-1, self.spec.num_kv_heads, -1), k, self.policy.adaptive_floor)
-            )
+        if self.adaptive:  # one ranking of all (token, head) pairs (Ada-KV)
+            return self.select_heads(prio, k)
         if t - k == 1 and self.valid is None and protect < t:  # decode: drop one token, no top-k or sort
             worst = prio[..., : t - protect].argmin(dim=-1, keepdim=True)  # (B, h, 1)
-            if self.order_free and protect == 0 and self.drop_one(worst):
+            if self.order_free and protect == 0 and self.store.can_refill() and self.drop_one(worst):
                 return worst
             ar = torch.arange(t - 1, device=scores.device)
             idx = ar + (ar >= worst).long()  # (B, h, t - 1): every position but the worst, in order

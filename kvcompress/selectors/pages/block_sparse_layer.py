@@ -38,6 +38,7 @@ class BlockSparseLayer(PolicyLayer):
     )
 
     per_row = ("page_min", "page_max")
+    reads_as_stored = False  # its step selects what is read (``compress``/``attend``)
 
     def __init__(self, policy: BlockSparsePolicy, layer_idx: int, spec: ModelSpec, store):
         super().__init__(policy, layer_idx, spec, store)

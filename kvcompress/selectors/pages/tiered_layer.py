@@ -23,6 +23,7 @@ class TieredLayer(PolicyLayer):
     wants_scores = True  # end_step after attention: this step's queries still read its whole chunk
     contiguous = True  # nothing is evicted: stored slot = cache position
     pads_exactly = False  # pages and the recent window are cut on batch slots, not on each row's tokens
+    reads_as_stored = False  # its step selects what is read (``compress``/``attend``)
 
     def __init__(self, policy, layer_idx, spec, store):
         super().__init__(policy, layer_idx, spec, store)
