@@ -32,16 +32,24 @@ MODEL = SYNCS.model_of("cpu", torch.float32, head_dim=16, layers=2)
 SELECTORS = sorted({sel for sel, _, _ in SYNCS.cells()})
 
 
+def test_the_ratio_path_is_counted_for_the_selectors_sized_by_a_ratio():
+    assert SYNCS.budget_paths("h2o") == ["fixed", "ratio"] and SYNCS.budget_paths("full") == ["fixed"]
+    policy = SYNCS.policy_of("tova", {"name": "dense"}, "ratio")
+    assert policy.budget is None and policy.compression_ratio == 0.5
+
+
 @pytest.mark.parametrize("selector", SELECTORS)
 def test_steady_decode_reads_nothing_back_per_layer_step(selector):
+    """Both budget paths of each selector: its test parameters (often a fixed budget) and a ratio (the
+    default of most eviction selectors, which sizes each padded row from its own real tokens)."""
     ran = 0
     for sel, storage, params in SYNCS.cells([selector]):
-        for batch in (1, 2):
-            got = SYNCS.count(MODEL, sel, params, batch)
+        for path, batch in ((p, b) for p in SYNCS.budget_paths(sel) for b in (1, 2)):
+            got = SYNCS.count(MODEL, sel, params, batch, path)
             if got["status"] == "refused":
                 continue
             ran += 1
-            where = f"{sel} x {storage}, batch {batch}: {got['lines']}"
+            where = f"{sel} ({path}) x {storage}, batch {batch}: {got['lines']}"
             assert got["per_layer_step"] <= LAYER_STEP_ALLOWANCE.get(sel, 0.0), where
             assert got["per_forward"] <= (PER_FORWARD_PADDED if batch > 1 else 0.0), where
     assert ran, f"{selector}: every cell was refused, nothing was counted"

@@ -3,7 +3,9 @@
 a GPU would wait for, before and after each fix); apart from them, those made once per model forward (the
 padding check and the model's own mask). The GPU script's random Llama and cells (``smoke.model_of``,
 ``smoke.cells``: 4 layers, head_dim 16 here), each with its classes' ``TEST_PARAMS`` so that it really
-compresses; 2 warm-up steps, then 6 counted steps.
+compresses, and for a selector sized by a ratio too, once more with the ratio (``smoke.budget_paths``: the
+ratio path sizes each row of a padded batch from its own real tokens); 2 warm-up steps, then 6 counted
+steps.
 
     python experiments/gpu/host_syncs.py --out experiments/gpu/runs/host_syncs_cpu.json
 """
@@ -18,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from smoke import cells, model_of, policy_of  # noqa: E402  (the GPU script's model and cells)
+from smoke import budget_paths, cells, model_of, policy_of  # noqa: E402  (the GPU script's model and cells)
 
 from kvcompress.core.cache import build_cache  # noqa: E402
 from kvcompress.metrics.host_syncs import HostSyncs  # noqa: E402
@@ -28,10 +30,10 @@ WARM, COUNTED, PROMPT = 2, 6, 40
 
 
 @torch.inference_mode()
-def count(model, selector: str, params: dict, batch: int) -> dict:
+def count(model, selector: str, params: dict, batch: int, path: str = "fixed") -> dict:
     """Counts per layer-step over ``COUNTED`` steady decode steps, or the refusal."""
     try:
-        cache = build_cache(policy_of(selector, params), model)
+        cache = build_cache(policy_of(selector, params, path), model)
         if batch > 1:
             check_padding(cache, selector, "batch")
     except ValueError as err:
@@ -63,8 +65,8 @@ def count(model, selector: str, params: dict, batch: int) -> dict:
 
 def table(record: dict) -> str:
     rows = [
-        "| selector | storage | batch 1 | padded batch 2 | padded, per forward | where |",
-        "|---|---|---|---|---|---|",
+        "| selector | budget | storage | batch 1 | padded batch 2 | padded, per forward | where |",
+        "|---|---|---|---|---|---|---|",
     ]
     for cell in record["cells"]:
         one, two = cell["batch_1"], cell["batch_2"]
@@ -74,7 +76,8 @@ def table(record: dict) -> str:
 
         lines = {**two.get("lines", {}), **one.get("lines", {})}
         where = ", ".join(f"{k} ({v})" for k, v in lines.items())
-        row = [cell["selector"], cell["storage"], show(one), show(two), show(two, "per_forward"), where]
+        path = cell.get("path", "fixed")
+        row = [cell["selector"], path, cell["storage"], show(one), show(two), show(two, "per_forward"), where]
         rows.append("| " + " | ".join(row) + " |")
     return "\n".join(rows)
 
@@ -86,8 +89,10 @@ def main(argv=None) -> None:
     model = model_of("cpu", torch.float32, head_dim=16, layers=4)
     record = {"counted_steps": COUNTED, "cells": []}
     for selector, storage, params in cells():
-        one, two = count(model, selector, params, 1), count(model, selector, params, 2)
-        record["cells"].append({"selector": selector, "storage": storage, "batch_1": one, "batch_2": two})
+        for path in budget_paths(selector):
+            one, two = count(model, selector, params, 1, path), count(model, selector, params, 2, path)
+            cell = {"selector": selector, "path": path, "storage": storage, "batch_1": one, "batch_2": two}
+            record["cells"].append(cell)
     print(table(record))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -56,9 +56,28 @@ def cells(only: list[str] | None = None) -> list[tuple[str, str, dict]]:
     return [(sel, var, params) for sel in selectors for var, params in variants]
 
 
-def policy_of(sel: str, params: dict):
+RATIO_PATHS = {  # a selector's other way of sizing what it keeps or reads: a ratio of the tokens seen
+    "compression_ratio": {"budget": None, "compression_ratio": 0.5},
+    "read_ratio": {"read_ratio": 0.5},
+}
+
+
+def budget_paths(sel: str) -> list[str]:
+    """``fixed`` (the class's ``TEST_PARAMS``) and, for a selector sized by a ratio too, ``ratio``."""
+    fields = {f.name for f in dataclasses.fields(make_policy(sel))}
+    return ["fixed", *(["ratio"] if fields & set(RATIO_PATHS) else [])]
+
+
+def policy_of(sel: str, params: dict, path: str = "fixed"):
+    """Selector ``sel`` at its test parameters over storage ``params``; ``path="ratio"`` sizes it by a ratio
+    (``RATIO_PATHS``) instead of its test parameters' fixed budget."""
     policy = make_policy(sel)
     policy = dataclasses.replace(policy, **type(policy).TEST_PARAMS)
+    if path == "ratio":
+        fields = {f.name for f in dataclasses.fields(policy)}
+        for name, change in RATIO_PATHS.items():
+            if name in fields:
+                policy = dataclasses.replace(policy, **change)
     return dataclasses.replace(policy, storage=make_storage(dict(params)))
 
 
