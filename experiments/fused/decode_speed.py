@@ -20,6 +20,7 @@ Usage: ``python experiments/fused/decode_speed.py OUT.json LENGTH [ROUNDS] [STEP
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -29,9 +30,11 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 from kvcompress import build_cache
 from kvcompress.core import attention
+from kvcompress.core.cache import held_bytes
 from kvcompress.core.profiling import timing
 from kvcompress.harness.tasks.perplexity import text_tokens
 from kvcompress.metrics.memory import read_summary
@@ -58,6 +61,16 @@ CONTENDERS = {
         for p in ("h2o", "tova", "pyramidkv", "block_evict", "expected_attention", "kvzip")
     },  # fmt: skip
     "sliding_window_2048": ("sliding_window", {"window": 2048}),
+    # transformers' own DynamicCache, decoding with the model's own attention (kvcompress detached)
+    "dynamic": (None, {}),
+    # score-based eviction over int4 codes (per-token key groups: per-channel ones are refused there)
+    **{
+        f"{p}_0.5_int4": (
+            p,
+            {"compression_ratio": 0.5, "storage": {"name": "quant", "bits": 4, "key_axis": "token"}},
+        )
+        for p in ("h2o", "tova")
+    },  # fmt: skip
     # low_rank: reconstruct-then-SDPA (off) vs attention in the latent space (on), pre- and post-RoPE keys
     "low_rank_32_off": ("low_rank", {"rank": 32, "fused_attention": "off"}),
     "low_rank_32_post": ("low_rank", {"rank": 32, "keys": "post_rope", "fused_attention": "on"}),
@@ -72,14 +85,15 @@ REPLAYABLE = {"int4", "int8", "int4_unfused", "block_sparse_0.25", "block_sparse
 def prepare(model, tokenizer, ids, name, reference=None):
     """A contender's cache after the prompt; ``reference``: the ``full`` state to replay, when allowed."""
     policy, params = CONTENDERS[name]
-    cache = build_cache(policy, model, **params)
+    cache = DynamicCache(config=model.config) if policy is None else build_cache(policy, model, **params)
     t0 = time.perf_counter()
     if reference is not None and name in REPLAYABLE:
         for layer, ref in zip(cache.layers, reference["cache"].layers, strict=True):
             layer.update(*ref.store.read())  # the keys/values the model's prefill produced
         nxt = reference["first"]
     else:
-        logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+        with own_attention(model, cache):
+            logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits
         after = after_prefill(model, tokenizer)
         if after is not None:
             after(cache, ids)
@@ -89,23 +103,38 @@ def prepare(model, tokenizer, ids, name, reference=None):
     replayed = reference is not None and name in REPLAYABLE
     return {
         "cache": cache, "next": nxt, "first": first, "prefill_s": prefill, "replayed": replayed,
-        "bytes": cache.memory_bytes(),
+        "bytes": held_bytes(cache),
     }  # fmt: skip
+
+
+@contextlib.contextmanager
+def own_attention(model, cache):
+    """For a cache that is not kvcompress's (``dynamic``): the model's own attention implementation, as a
+    user of transformers runs it; kvcompress's again afterwards (outside any timing)."""
+    if hasattr(cache, "memory_bytes"):
+        yield
+        return
+    attention.uninstall(model)
+    try:
+        yield
+    finally:
+        attention.install(model)
 
 
 @torch.inference_mode()
 def warm_up(model, state, steps: int = 3) -> None:
     """Decode steps outside the timing: the fused path compiles here, once for this shape bucket."""
     nxt = state["next"]
-    for _ in range(steps):
-        nxt = model(nxt, cache=state["cache"], use_cache=True).logits[:, -1:].argmax(-1)
+    with own_attention(model, state["cache"]):
+        for _ in range(steps):
+            nxt = model(nxt, cache=state["cache"], use_cache=True).logits[:, -1:].argmax(-1)
     state["next"] = nxt
 
 
 @torch.inference_mode()
 def decode(model, state, steps: int) -> tuple[float, float]:
     nxt, cache = state["next"], state["cache"]
-    with timing() as timer:
+    with own_attention(model, cache), timing() as timer:
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             nxt = model(nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
@@ -136,12 +165,16 @@ def summarise(samples: dict, states: dict, fulls: dict | None = None) -> dict:
             "vs_full_cpu_min": min(cpu), "vs_full_cpu_max": max(cpu),
             "policy_overhead_median": statistics.median(over), "prefill_s": states[name]["prefill_s"],
             "cache_bytes": states[name]["bytes"], "prefill_replayed": states[name]["replayed"],
-            "reads": read_summary(states[name]["cache"].stats()),  # block_sparse: pages read in place?
+            "reads": read_summary(_stats(states[name]["cache"])),  # block_sparse: pages read in place?
             # pre-RoPE low_rank: layer-steps whose logits the C++ kernel computed (0: rebuilt by tensors)
-            "rope_kernel_steps": sum(s.get("rope_kernel_steps", 0) for s in states[name]["cache"].stats()),
+            "rope_kernel_steps": sum(s.get("rope_kernel_steps", 0) for s in _stats(states[name]["cache"])),
             "per_round": runs,
         }  # fmt: skip
     return out
+
+
+def _stats(cache) -> list[dict]:
+    return cache.stats() if hasattr(cache, "stats") else []
 
 
 def measure_rounds(model, states: dict, names: list, rounds: int, steps: int) -> dict:
