@@ -41,6 +41,10 @@ class Policy:
     the same tokens, so one latent per token can serve them all) and ``reads_pages`` (the selector fetches
     pages by score, what a cold tier serves); ``refuses_storage`` names the storages a selector cannot
     run over. ``refusal()`` is the one place both sides' refusals meet.
+
+    Args:
+        apply_to: ``full_attention``: only full-attention layers are compressed, windowed layers keep the
+            model's own window; ``all``: every layer, inside the model's window.
     """
 
     layer_class: ClassVar[type] = PolicyLayer
