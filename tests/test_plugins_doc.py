@@ -1,10 +1,13 @@
 """docs/extending.md shows the plugins of ``tests/plugins`` as they are: every code line of its storage
-example is a line of ``example_storage.py``, and its YAML is the plugin's YAML."""
+example is a line of ``example_storage.py``, its YAML is the plugin's YAML, and its KeyDiff selector example
+is ``example_keydiff.py`` character for character, registered by a YAML of its ``_target_`` alone."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+
+from kvcompress.core.cache import make_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGINS = ROOT / "tests" / "plugins"
@@ -32,3 +35,19 @@ def test_the_storage_yaml_is_the_plugin_yaml():
     shown = [line for line in block.splitlines() if not line.startswith("#")]
     real = [line for line in (PLUGINS / "conf" / "storage" / "fp8.yaml").read_text().splitlines()]
     assert shown == [line for line in real if not line.startswith("#")]
+
+
+def test_the_keydiff_example_is_the_plugin_code():
+    (block,) = [b for b in _blocks("A selector", "python") if "class KeyDiffLayer" in b]
+    source = (PLUGINS / "example_keydiff.py").read_text()
+    assert block == source.split("from __future__ import annotations\n\n", 1)[1], (
+        "docs/extending.md's KeyDiff example differs from tests/plugins/example_keydiff.py (below __future__)"
+    )
+
+
+def test_the_keydiff_yaml_is_its_target_alone():
+    from example_keydiff import KeyDiffPolicy
+
+    real = (PLUGINS / "conf" / "policy" / "keydiff_example.yaml").read_text().splitlines()
+    assert [line for line in real if not line.startswith("#")] == ["_target_: example_keydiff.KeyDiffPolicy"]
+    assert make_policy("keydiff_example") == KeyDiffPolicy()  # every field at the dataclass's default
