@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcompress.core import kernel_slots
 from kvcompress.core.masks import causal
 
 
@@ -58,7 +59,8 @@ def attend_by_parts(query, scaling: float, kv_heads: int, key_logits, value_outp
     return out.reshape(b, 1, h, -1).to(query.dtype)
 
 
-WINDOW_SCORERS: list = []  # device kernels: f(query, key, scaling, valid) -> probabilities, or None
+# kernels f(query, key, scaling, valid) -> probabilities or None, lent by kvcompress.kernels.backends
+WINDOW_SCORERS: list = kernel_slots.lent("window_scores")
 
 
 def window_scores(query, key, scaling: float, valid=None) -> torch.Tensor:
@@ -76,12 +78,9 @@ def window_scores(query, key, scaling: float, valid=None) -> torch.Tensor:
         (B, H_kv, w, T) float32 probabilities: causal within the window, padding keys exactly 0, and
         all-zero rows for queries that are themselves padding.
     """
-    for (
-        scorer
-    ) in WINDOW_SCORERS:  # a kernel that reads the keys in their own dtype (``kernels.triton_backend``)
-        probs = scorer(query, key, scaling, valid)
-        if probs is not None:
-            return probs
+    probs = kernel_slots.first("window_scores", query, key, scaling, valid)  # keys read in their own dtype
+    if probs is not None:
+        return probs
     b, h, w, d = query.shape
     h_kv, t = key.shape[1], key.shape[2]
     g = h // h_kv

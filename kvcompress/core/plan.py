@@ -11,7 +11,6 @@ serves a compact read, the attention hook asks the layer for the same step as a 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,17 +56,34 @@ class Kivi:
 
 @dataclass(frozen=True)
 class Latent:
-    """A store that attends from its own parts (low-rank latents): ``key_logits(q)`` for scaled queries
-    (B, H_kv, n, D) float32 gives logits (B, G, g * n, T); ``value_output(probs)`` the output
-    (B, H_kv, n, D). The parts are the store's functions and choose their own C++ kernels on a CPU
-    (``kvcompress.kernels.fused_low_rank``): the one compact read whose kernels are not a backend's yet."""
+    """Low-rank latents (``storage.low_rank``) read where they lie, ``G`` blocks of ``g`` KV heads sharing a
+    latent per token (``kvcompress.kernels.fused_low_rank.attend`` runs it).
 
-    key_logits: Callable
-    value_output: Callable
-    kv_heads: int
+    ``keys``: the encoded keys, coefficients (B, G, Te, R) and for int8 codes their scale (B, G, Te, 1);
+    ``key_res`` (B, H_kv, Tr, D) the newest keys, exact; ``key_decoder`` (G, g * D, R) float32. The values
+    likewise, or with ``values`` None every value dense in ``value_res`` (B, H_kv, T, D) (keys and values
+    held by two stores). Pre-RoPE keys add ``positions`` (B, H_kv, Te) int32 of the encoded keys, the
+    layer's ``rope`` (``storage.rope.Rope``: the model's rotation and its shared cos/sin table) and ``seen``,
+    the tokens appended so far. ``counts``: the store's counters the attention adds to
+    (``rope_kernel_steps``: the C++ kernel computed the pre-RoPE logits)."""
+
+    keys: tuple
+    key_res: torch.Tensor
+    key_decoder: torch.Tensor
+    values: tuple | None
+    value_res: torch.Tensor
+    value_decoder: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    rope: object = None
+    seen: int = 0
+    counts: dict | None = None
 
     form = "latent"
     required = False
+
+    @property
+    def kv_heads(self) -> int:
+        return self.key_res.shape[1]
 
 
 @dataclass(frozen=True)

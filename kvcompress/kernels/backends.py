@@ -9,8 +9,7 @@ that serves a plan (in the order triton, cpu, torch, sdpa, eager).
   place, on CPU tensors where the kernel built (pages: float32 keys).
 - ``torch``: attention written in torch ops: the grouped decode form that also returns the probabilities
   score-based selectors read (``fused.decode_attention``), KIVI's tensor and compiled forms, and latents
-  (softmax over the store's own ``key_logits``, then its ``value_output``: those parts pick their own
-  C++ kernels on a CPU, ``kvcompress.kernels.fused_low_rank``).
+  (``kvcompress.kernels.fused_low_rank.attend``: its parts pick their own C++ kernels on a CPU).
 - ``sdpa`` / ``eager``: the model's own kernels over dense key/value, whichever the model was installed
   with (``attention.set_backend``); eager is the model's own eager function (soft-capping, sinks).
 
@@ -22,12 +21,12 @@ from __future__ import annotations
 import torch
 
 from kvcompress import kernels
-from kvcompress.core import fused
+from kvcompress.core import kernel_slots
 from kvcompress.core.executor import Backend, register
-from kvcompress.core.fused import attend_by_parts, decode_attention
+from kvcompress.core.fused import decode_attention
 from kvcompress.core.masks import causal
 from kvcompress.core.plan import Call, Plan
-from kvcompress.kernels import flash_lse, fused_pages, fused_quant, triton_backend
+from kvcompress.kernels import flash_lse, fused_low_rank, fused_pages, fused_quant, triton_backend
 from kvcompress.kernels.triton_backend import Triton
 
 
@@ -147,7 +146,7 @@ class Torch(Backend):
         if plan.form == "dense":
             return decode_attention(q, r.key, r.value, call.scaling, plan.probs == "last")
         if plan.form == "latent":
-            return attend_by_parts(q, call.scaling, r.kv_heads, r.key_logits, r.value_output), None
+            return fused_low_rank.attend(q, call.scaling, r), None
         return fused_quant.tensor_attention(r.mode, q, *_kivi_args(r, call.scaling)), None
 
 
@@ -190,6 +189,9 @@ def _in_place(key: torch.Tensor) -> bool:
     return key.dtype == torch.float32 and key.stride(-1) == 1
 
 
-fused.WINDOW_SCORERS[:] = [triton_backend.window_scores]  # prefill score windows: keys in their own dtype
+# kernels lent to selectors and storage for steps outside attention (``kvcompress.core.kernel_slots``)
+kernel_slots.register("window_scores", triton_backend.window_scores)  # prefill score windows, keys' own dtype
+kernel_slots.register("select_pages", fused_pages.select)  # Quest's page choice in one C++ call
+kernel_slots.register("turn_keys", fused_low_rank.turn_keys)  # pre-RoPE keys turned by the cos/sin table
 for _backend in (Eager(), Sdpa(), Torch(), Cpu(), Triton()):  # each goes first: triton, cpu, torch, ...
     register(_backend)

@@ -19,15 +19,65 @@ With int8 coefficients the per-token scales fold into the logits and into the pr
 residual window joins the same float32 softmax. Exact up to float rounding (the reconstruct-then-SDPA path
 rounds reconstructed tokens to the model dtype first). Palu (arXiv 2407.21118) folds the value decoder into
 the output projection offline; here both maps stay in the cache, so any model works unchanged.
+
+A store hands its latents to attention as data (``kvcompress.core.plan.Latent``); the ``torch`` backend
+(``kvcompress.kernels.backends``) runs ``attend`` on them.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from kvcompress import kernels
+from kvcompress.core.fused import attend_by_parts
+from kvcompress.core.latents import rebuild
+from kvcompress.core.plan import Latent
+from kvcompress.core.profiling import TIMER
 
-MODES = ("auto", "on", "off")
+
+def attend(query: torch.Tensor, scaling: float, read: Latent) -> torch.Tensor:
+    """Output (B, 1, H, D) of decode queries (B, H, 1, D) over a ``Latent`` read: the softmax (float32) of
+    the logits over its keys, then the probabilities' sum of its values."""
+    logits, values = partial(key_logits, read), partial(value_output, read)
+    return attend_by_parts(query, scaling, read.kv_heads, logits, values)
+
+
+def key_logits(read: Latent, q: torch.Tensor) -> torch.Tensor:
+    """Logits (B, G, g * n, T) of scaled queries q (B, H_kv, n, D) float32 over every key of ``read``."""
+    parts, dec = read.keys, read.key_decoder
+    # the decoder folds into the query, unless each key turns by its own position (pre-RoPE: rebuilt)
+    encoded = latent_logits(fold_query(q, dec), parts) if read.rope is None else _rope_logits(read, q)
+    return torch.cat([encoded, residual_logits(q, read.key_res, dec.shape[0])], dim=-1)
+
+
+def _rope_logits(read: Latent, q: torch.Tensor) -> torch.Tensor:
+    """Logits over the encoded pre-RoPE keys: rebuilt and rotated inside the C++ kernel where it serves
+    (counted as attention, as the quant kernel's unpacking is), else rebuilt by tensors and rotated by the
+    layer's ``rope`` (counted as policy overhead)."""
+    parts, dec, positions = read.keys, read.key_decoder, read.positions  # positions (B, H_kv, Te)
+    (b, h, te), blocks = positions.shape, dec.shape[0]
+    block_positions = positions.view(b, blocks, h // blocks, te)[:, :, 0]  # a block's heads share them
+    logits = rope_logits(q, parts, dec, block_positions, read.rope, read.seen)
+    if logits is not None:
+        if read.counts is not None:
+            read.counts["rope_kernel_steps"] += 1
+        return logits
+    with TIMER.measure():
+        keys = read.rope.rotate(rebuild(parts, dec, h), block_positions)  # (B, H_kv, Te, D) float32
+    return residual_logits(q, keys, blocks)
+
+
+def value_output(read: Latent, probs: torch.Tensor) -> torch.Tensor:
+    """``sum_t p_ht v_t`` (B, H_kv, n, D) float32 for probs (B, G, g * n, T): the encoded tokens' in the
+    latent space, then the residual window's (every value, where ``read`` holds them dense)."""
+    if read.values is None:
+        return dense_values(probs, read.value_res)
+    te = read.values[0].shape[2]
+    n = probs.shape[2] * probs.shape[1] // read.value_res.shape[1]
+    out = latent_values(probs[..., :te], read.values, read.value_decoder, n)
+    return out + dense_values(probs[..., te:], read.value_res)
 
 
 def _latent(parts: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -109,3 +159,14 @@ def rope_logits(q: torch.Tensor, parts: tuple, decoder, positions, rope, seen: i
     if logits is None:  # a negative position has no table row
         return None
     return logits if scale is None else logits * scale.mT
+
+
+def turn_keys(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Keys x (B, H_kv, n, D) turned at ``positions`` (B, h, n) by a cos/sin table's rows (P, rotary / 2), in
+    float32, by the C++ kernel (``rope_latent.turn_keys``: the bits of ``rope_table.rotate_halves``, one call
+    instead of a dozen tensor ops); None where it is not built or a position is past the table. Lent to
+    ``storage.rope`` through ``kvcompress.core.kernel_slots``."""
+    kernel = kernels.load("rope_latent")
+    if kernel is None:
+        return None
+    return kernel.turn_keys(x.float().contiguous(), positions.to(torch.int32).contiguous(), cos, sin)

@@ -14,20 +14,19 @@ import torch
 from kvcompress import kernels
 from kvcompress.core.fused import attend_by_parts
 
-MODES = ("auto", "off")
 
-
-def usable(mode: str, key: torch.Tensor) -> bool:
-    """Whether ``mode`` reads ``key``'s pages in place: ``auto`` on a float32 CPU cache (kernel built)."""
-    if mode == "off" or key.dtype != torch.float32 or key.device.type != "cpu" or key.stride(-1) != 1:
+def usable(key: torch.Tensor) -> bool:
+    """Whether the kernel reads ``key``'s pages in place: a float32 CPU cache with unit stride (built)."""
+    if key.dtype != torch.float32 or key.device.type != "cpu" or key.stride(-1) != 1:
         return False
     return kernels.load("page_attention") is not None
 
 
-def select(mode: str, query: torch.Tensor, page_min, page_max, sinks: int, width: int) -> torch.Tensor | None:
+def select(query: torch.Tensor, page_min, page_max, sinks: int, width: int) -> torch.Tensor | None:
     """The ``width`` pages (B, H_kv, width) ascending that ``BlockSparseLayer._select_unpadded`` chooses for
-    decode queries (B, H, D), from the kernel in one call; None where the tensor form runs instead."""
-    if not (usable(mode, page_min) and page_min.is_contiguous() and page_max.is_contiguous()):
+    decode queries (B, H, D), from the kernel in one call; None where the tensor form runs instead. Lent to
+    the selector through ``kvcompress.core.kernel_slots``."""
+    if not (usable(page_min) and page_min.is_contiguous() and page_max.is_contiguous()):
         return None
     b, h, d = query.shape
     q = query.reshape(b, page_min.shape[1], -1, d).float().contiguous()  # (B, H_kv, g, D)

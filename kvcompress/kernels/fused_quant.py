@@ -27,7 +27,6 @@ import torch
 
 from kvcompress import kernels
 
-MODES = ("auto", "kernel", "compile", "eager", "off")
 IMPLS = ("matmul", "fused", "kernel")  # eager tensor form, the form torch.compile fuses, the C++ kernel
 COMPILE_MIN_TOKENS = 1024  # "auto": below this a compiled call's fixed cost outweighs its gain
 _COMPILED: dict[str, object] = {}  # "fn" -> the compiled attention, or None once compile failed

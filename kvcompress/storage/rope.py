@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from kvcompress import kernels
+from kvcompress.core import kernel_slots
 from kvcompress.storage import rope_table
 from kvcompress.storage.rope_table import RopeTable
 
@@ -87,14 +87,12 @@ class Rope:
             return None
 
     def _by_kernel(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool) -> torch.Tensor | None:
-        """``_turn`` by the C++ kernel (``rope_latent.turn_keys``: the table's rows, the same products and
-        sums as ``rotate_halves``, one call instead of a dozen tensor ops per encoded key), or None where it
-        does not serve (``_table``, a position the table does not hold, no compiler)."""
+        """``_turn`` by the kernel lent for it (``kernel_slots``: the C++ ``rope_latent.turn_keys``, the
+        table's rows with the same products and sums as ``rotate_halves``, one call instead of a dozen tensor
+        ops per encoded key), or None where none serves (``_table``, a position the table does not hold, no
+        compiler)."""
         table = self._table(positions, x.shape[-1], inverse)
-        kernel = None if table is None else kernels.load("rope_latent")
-        if kernel is None:
-            return None
-        return kernel.turn_keys(x.float().contiguous(), positions.to(torch.int32).contiguous(), *table)
+        return None if table is None else kernel_slots.first("turn_keys", x, positions, *table)
 
     def _turn(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool) -> torch.Tensor:
         turned = self._by_kernel(x, positions, inverse) if x.numel() else None

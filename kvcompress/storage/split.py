@@ -6,11 +6,8 @@ residual window and codec; this store routes every call to both, so selectors se
 
 from __future__ import annotations
 
-from functools import partial
-
 from kvcompress.core.plan import Latent
 from kvcompress.core.storage import Store
-from kvcompress.kernels import fused_low_rank
 
 
 class SplitStore(Store):
@@ -50,10 +47,8 @@ class SplitStore(Store):
         return self.key_store.attends_codes()
 
     def compact_read(self) -> Latent:
-        """Keys' logits from the key store's codes (``LowRankStore.key_logits``), values read dense."""
-        values = self.value_store.read()[1]  # (B, H_kv, T, D)
-        weigh = partial(fused_low_rank.dense_values, values=values)
-        return Latent(self.key_store.key_logits, weigh, values.shape[1])
+        """The key store's latents (``LowRankStore.key_read``), and the values read dense (B, H_kv, T, D)."""
+        return Latent(**self.key_store.key_read(), values=None, value_res=self.value_store.read()[1])
 
     def flush(self, valid=None) -> None:
         for store in self._both():

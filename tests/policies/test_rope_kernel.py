@@ -16,11 +16,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from zoo import make_family
 
 from kvcompress import build_cache, kernels
+from kvcompress.core.latents import from_blocks
 from kvcompress.kernels import fused_low_rank
 from kvcompress.metrics.memory import fixed_bytes, shared_bytes
 from kvcompress.selectors import LowRankPolicy
 from kvcompress.storage import rope_table
-from kvcompress.storage.low_rank.store import from_blocks
 from kvcompress.storage.rope import Rope, model_ropes
 
 

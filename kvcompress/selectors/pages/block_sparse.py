@@ -14,8 +14,9 @@ import torch
 
 from kvcompress.core.fields import Choice, Float, Int
 from kvcompress.core.policy import Policy, Shape
-from kvcompress.kernels import fused_pages
 from kvcompress.selectors.pages.block_sparse_layer import BlockSparseLayer
+
+FUSED_MODES = ("auto", "off")  # fused_attention: read the chosen pages in place where a backend can
 
 
 @dataclass
@@ -49,7 +50,7 @@ class BlockSparsePolicy(Policy):
     top_k_blocks: int = Int(16, low=1)
     read_ratio: float | None = Float(None, 0.0, 1.0, low_open=True, null=True)
     sink_blocks: int = Int(1, low=0)
-    fused_attention: str = Choice("auto", fused_pages.MODES)
+    fused_attention: str = Choice("auto", FUSED_MODES)
 
     def __post_init__(self):
         super().__post_init__()

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvcompress.core import kernel_slots
 from kvcompress.core.buffers import gather_pages, gather_tokens
 from kvcompress.core.plan import Pages
 from kvcompress.core.policy import ModelSpec, PolicyLayer
-from kvcompress.kernels import fused_pages
 
 if TYPE_CHECKING:
     from kvcompress.selectors.pages.block_sparse import BlockSparsePolicy
@@ -136,8 +136,10 @@ class BlockSparseLayer(PolicyLayer):
         """Pages this decode step reads, ascending, -1 for unused slots: (B, H_kv, k)."""
         if self.valid is None:  # no padding: every page holds tokens, the newest is the last one
             width = self.policy.pages_to_read_count(self.page_min.shape[2])
-            sinks, mode = self.policy.sink_blocks, self.policy.fused_attention
-            pages = fused_pages.select(mode, query, self.page_min, self.page_max, sinks, width)
+            pages = None
+            if self.policy.fused_attention != "off":  # one kernel call where one is lent (C++, CPU)
+                bounds = self.page_min, self.page_max, self.policy.sink_blocks, width
+                pages = kernel_slots.first("select_pages", query, *bounds)
             return self._select_unpadded(self.page_bounds(query), width) if pages is None else pages
         score = self.page_bounds(query)
         real = score > -math.inf  # (B, H_kv, P) non-empty pages

@@ -17,7 +17,6 @@ import torch
 from kvcompress.core.fields import Bool, Choice, Float, Int
 from kvcompress.core.spec import ModelSpec, Shape
 from kvcompress.core.storage import KINDS, Storage
-from kvcompress.kernels import fused_low_rank
 from kvcompress.storage.low_rank import bases as lrb
 from kvcompress.storage.low_rank.config import FROM_FILE, LowRankChecks
 from kvcompress.storage.low_rank.store import LowRankStore
@@ -26,6 +25,7 @@ from kvcompress.storage.split import SplitStore
 SOURCES = {"pre_rope": "keys_pre", "post_rope": "keys_post"}
 QUERY_WEIGHTS = {"pre_rope": "queries_pre", "post_rope": "queries_post"}
 OBJECTIVES = ("logits", "keys")
+FUSED_MODES = ("auto", "on", "off")  # fused_attention: attend in the latent space
 
 
 @dataclass
@@ -116,7 +116,7 @@ class LowRankStorage(LowRankChecks, Storage):
     calibration_tokens: int = Int(2048, low=1)
     calibration_dir: str | None = None
     tokenizer: object = None
-    fused_attention: str = Choice("auto", fused_low_rank.MODES)
+    fused_attention: str = Choice("auto", FUSED_MODES)
 
     def prepare(self, model) -> None:
         """Calibrate on ``model`` (or reload a saved calibration of the same model and text); and its RoPE."""

@@ -11,23 +11,9 @@ from __future__ import annotations
 import torch
 
 from kvcompress.core.buffers import storage_bytes
+from kvcompress.core.latents import rebuild, to_blocks
 from kvcompress.core.plan import Latent
-from kvcompress.core.profiling import TIMER
-from kvcompress.kernels import fused_low_rank
 from kvcompress.storage.residual import ResidualStore
-
-
-def to_blocks(x: torch.Tensor, blocks: int) -> torch.Tensor:
-    """(B, H, n, D) -> (B, blocks, n, g * D): the channels of each block's g heads side by side."""
-    b, h, n, d = x.shape
-    return x.reshape(b, blocks, h // blocks, n, d).transpose(2, 3).reshape(b, blocks, n, h // blocks * d)
-
-
-def from_blocks(y: torch.Tensor, heads: int) -> torch.Tensor:
-    """(B, G, n, g * D) -> (B, heads, n, D): the inverse of ``to_blocks``."""
-    b, blocks, n, gd = y.shape
-    g = heads // blocks
-    return y.reshape(b, blocks, n, g, gd // g).transpose(2, 3).reshape(b, heads, n, gd // g)
 
 
 def _own(maps: tuple, by_component: bool = False) -> tuple:
@@ -61,7 +47,7 @@ class LowRankStore(ResidualStore):
         self.decoder = {kind: m[1] for kind, m in maps.items()}
         self.needs_positions = config.keys == "pre_rope" and "keys" in kinds  # also on NoPE layers: bytes
         self.dtype = None  # of the model's keys: coefficients and scales are stored in it
-        self.kernel_steps = 0  # decode steps whose pre-RoPE logits the C++ kernel computed
+        self.counts = {"rope_kernel_steps": 0}  # decode steps whose pre-RoPE logits the C++ kernel computed
         self._maps_on: torch.device | None = None  # where the maps were last checked to be (any other device
         # a step's keys arrive on is checked again)
 
@@ -91,9 +77,8 @@ class LowRankStore(ResidualStore):
 
     def reconstruct(self, kind, parts, heads: int, positions=None) -> torch.Tensor:
         """Tokens (B, H_kv, n, D) float32 of coefficients ``parts``, keys rotated back at ``positions``."""
-        coef = parts[0].float() if len(parts) == 1 else parts[0].float() * parts[1].float()
-        blocks = coef.shape[1]
-        x = from_blocks(coef @ self.decoder[kind].mT, heads)  # (B, H_kv, n, D) float32
+        blocks = parts[0].shape[1]
+        x = rebuild(parts, self.decoder[kind], heads)  # (B, H_kv, n, D) float32
         if kind == "keys" and self.rope is not None:  # a block's heads hold the same tokens: rotate once
             b, h, n = positions.shape
             x = self.rope.rotate(x, positions.view(b, blocks, h // blocks, n)[:, :, 0])
@@ -105,43 +90,18 @@ class LowRankStore(ResidualStore):
         return self.config.fused_attention != "off" and "keys" in self.kinds and self.encoded_length > 0
 
     def compact_read(self) -> Latent:
-        """Logits and value sums from the latents, for a backend that attends by parts."""
-        res = self.residual[self.kinds[0]]
-        return Latent(self.key_logits, self.value_output, res.shape[1])
+        """The latents and residual windows of keys and values, for a backend that attends from them."""
+        enc, res, dec = self.encoded["values"], self.residual["values"], self.decoder["values"]
+        return Latent(**self.key_read(), values=enc, value_res=res, value_decoder=dec)
 
-    def value_output(self, probs: torch.Tensor) -> torch.Tensor:
-        """``sum_t p_ht v_t`` (B, H_kv, n, D) float32 for probs (B, G, g * n, T): the encoded tokens' in
-        the latent space, then the residual window's."""
-        te = self.encoded_length
-        n = probs.shape[2] * probs.shape[1] // self.residual["values"].shape[1]
-        parts, dec = self.encoded["values"], self.decoder["values"]
-        out = fused_low_rank.latent_values(probs[..., :te], parts, dec, n)
-        return out + fused_low_rank.dense_values(probs[..., te:], self.residual["values"])
-
-    def key_logits(self, q: torch.Tensor) -> torch.Tensor:
-        """Logits (B, G, g * n, T) of scaled queries q (B, H_kv, n, D) float32 over every stored key."""
-        parts, res, dec = self.encoded["keys"], self.residual["keys"], self.decoder["keys"]
-        if self.rope is None:  # the decoder folds into the query
-            encoded = fused_low_rank.latent_logits(fused_low_rank.fold_query(q, dec), parts)
-        else:  # pre-RoPE: each key turns by its own position, so the keys are rebuilt
-            encoded = self._rope_logits(q, parts, dec)
-        return torch.cat([encoded, fused_low_rank.residual_logits(q, res, dec.shape[0])], dim=-1)
-
-    def _rope_logits(self, q: torch.Tensor, parts: tuple, dec: torch.Tensor) -> torch.Tensor:
-        """Logits over the encoded pre-RoPE keys: rebuilt and rotated inside the C++ kernel where it serves
-        (counted as attention, as the quant kernel's unpacking is), else rebuilt by tensors (counted as
-        policy overhead)."""
-        te, blocks = self.encoded_length, dec.shape[0]
-        positions = self._positions(0, te)  # (B, H_kv, Te): a block's heads share their tokens' positions
-        b, h = positions.shape[:2]
-        block_positions = positions.view(b, blocks, h // blocks, te)[:, :, 0]  # (B, G, Te)
-        logits = fused_low_rank.rope_logits(q, parts, dec, block_positions, self.rope, self.appended)
-        if logits is not None:
-            self.kernel_steps += 1
-            return logits
-        with TIMER.measure():
-            keys = self.reconstruct("keys", parts, h, positions)
-        return fused_low_rank.residual_logits(q, keys, blocks)
+    def key_read(self) -> dict:
+        """The keys' fields of a ``Latent`` read: latents, residual window, decoder, and for pre-RoPE keys
+        the encoded keys' positions (B, H_kv, Te), the rotation and the tokens appended so far."""
+        rope = self.rope
+        positions = None if rope is None else self._positions(0, self.encoded_length)
+        return {"keys": self.encoded["keys"], "key_res": self.residual["keys"],
+                "key_decoder": self.decoder["keys"], "positions": positions, "rope": rope,
+                "seen": self.appended, "counts": self.counts}  # fmt: skip
 
     def flush_count(self, residual: int) -> int:
         return residual - self.config.recent
@@ -184,7 +144,7 @@ class LowRankStore(ResidualStore):
         return {
             **out,
             "tokens_projected": self.encoded_length,
-            "rope_kernel_steps": self.kernel_steps,
+            "rope_kernel_steps": self.counts["rope_kernel_steps"],
             # the model's cos/sin by position (kvcompress.storage.rope_table): shared by every layer and
             # cache of the model, like the model's own weights, so reported here and not in ``bytes``
             "rope_table_bytes": storage_bytes(self.shared_tensors()),

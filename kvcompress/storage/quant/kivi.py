@@ -15,11 +15,12 @@ from kvcompress.core.fields import Choice, Int
 from kvcompress.core.plan import Kivi
 from kvcompress.core.spec import ModelSpec, Shape
 from kvcompress.core.storage import Storage
-from kvcompress.kernels import fused_quant
 from kvcompress.storage.quant import quantizer
 from kvcompress.storage.quant.quantizer import AXES, BITS
 from kvcompress.storage.residual import KINDS, ResidualStore
 
+# fused_attention: how a decode query reads the codes (the attention backends choose the form)
+FUSED_MODES = ("auto", "kernel", "compile", "eager", "off")
 SCALE_DTYPES = {"auto": None, "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -162,7 +163,7 @@ class QuantStorage(Storage):
     key_axis: str = Choice("channel", AXES)
     value_axis: str = Choice("token", AXES)
     scale_dtype: str = Choice("auto", tuple(SCALE_DTYPES))
-    fused_attention: str = Choice("auto", fused_quant.MODES)
+    fused_attention: str = Choice("auto", FUSED_MODES)
 
     def check(self, spec: ModelSpec) -> None:
         if "token" in (self.key_axis, self.value_axis) and spec.head_dim % self.group_size:
