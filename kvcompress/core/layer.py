@@ -35,6 +35,11 @@ class PolicyLayer(LayerAttention, ContextPassMode, Rollback, CacheLayerMixin):
     # the step's attention reads every stored token as stored (no selection of reads, no eviction inside the
     # step), so the store's compact form can serve a decode step; False where ``compress``/``attend`` select
     reads_as_stored = True
+    # optional hooks of a selector's layer (None: the step does not call them)
+    on_append = None  # on_append(key_states (B, H_kv, q, D), new_valid (B, q) or None): before the step's
+    #                   tokens are stored, grow the selector's own state
+    compress = None  # compress(keys, values (B, H_kv, T, D)): select after the step's tokens were appended,
+    #                  from what this step's attention reads (sliding windows, page summaries)
     probe = None  # a fidelity probe watching this layer (``watch``), or None
     read_pos: torch.Tensor | None = None  # (B, 1 or H_kv, T) positions this step's attention reads (probed)
     probe_only_pos = False  # ``pos`` is tracked only for the probe: not the policy's bytes
@@ -85,7 +90,8 @@ class PolicyLayer(LayerAttention, ContextPassMode, Rollback, CacheLayerMixin):
         b, _, q, _ = key_states.shape
         device = key_states.device
         new_valid = None if forward is None else forward.new_token_validity(b, q, device)
-        self.on_append(key_states, new_valid)
+        if self.on_append is not None:
+            self.on_append(key_states, new_valid)
         if self.seen == 0 and self.chunked:
             self.left_pad = _leading_padding(new_valid, b, device)
         if new_valid is not None or self.valid is not None:
@@ -97,14 +103,15 @@ class PolicyLayer(LayerAttention, ContextPassMode, Rollback, CacheLayerMixin):
         if self.evicted != self.tail_evicted:  # an eviction since the tail began: it starts again here
             self.tail_tokens, self.tail_evicted = 0, self.evicted
         self.tail_tokens += q
-        if self.reads_as_stored and q == 1 and self.valid is None and self._defers():
+        if self.reads_as_stored and self.store.compact and q == 1 and self.valid is None and self._defers():
             self.deferred, self._view = True, (self.stored_length(), None, None)
             return _unread(key_states, self.stored_length()), _unread(value_states, self.stored_length())
         keys, values = self.store.read()
         self._view = (keys.shape[-2], self.valid, None if self.probe_only_pos else self.pos)
         if self.probe is not None:  # before compress: the positions of what this step's attention reads
             self.read_pos = self.pos
-        self.compress(keys, values)
+        if self.compress is not None:
+            self.compress(keys, values)
         if not self.wants_scores:
             self.end_step()
         return keys, values
@@ -208,13 +215,6 @@ class PolicyLayer(LayerAttention, ContextPassMode, Rollback, CacheLayerMixin):
         self.reorder_cache(idx)
 
     # -- selection ------------------------------------------------------------------------------
-    def on_append(self, key_states: torch.Tensor, new_valid: torch.Tensor | None) -> None:
-        """Before the step's tokens (B, H_kv, q, D) are stored: grow the selector's own state."""
-
-    def compress(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Select after a step's tokens were appended; ``keys``/``values`` (B, H_kv, T, D) are what this
-        step's attention reads (sliding windows, page summaries)."""
-
     def stored_length(self) -> int:
         return self.store.length
 

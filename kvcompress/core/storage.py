@@ -97,6 +97,7 @@ class Store:
 
     # why the batch cannot change size (batch_repeat_interleave / batch_select_indices), or None
     fixed_rows: str | None = None
+    compact = False  # True: this store may offer a compact read (``attends_codes`` says when it can)
 
     def __init__(self, config: Storage, layer_idx: int, spec: ModelSpec, kinds: tuple[str, ...] = KINDS):
         self.config, self.layer_idx, self.spec, self.kinds = config, layer_idx, spec, tuple(kinds)

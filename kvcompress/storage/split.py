@@ -43,6 +43,8 @@ class SplitStore(Store):
         for store in self._both():
             store.keep_spans(spans)
 
+    compact = True
+
     def attends_codes(self) -> bool:
         return self.key_store.attends_codes()
 

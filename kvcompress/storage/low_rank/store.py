@@ -85,6 +85,8 @@ class LowRankStore(ResidualStore):
         return x
 
     # -- attention in the latent space (kvcompress.kernels.fused_low_rank) ---------------------------
+    compact = True
+
     def attends_codes(self) -> bool:
         """Whether a decode query attends in the latent space (values always, keys unless pre-RoPE)."""
         return self.config.fused_attention != "off" and "keys" in self.kinds and self.encoded_length > 0

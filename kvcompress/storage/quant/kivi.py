@@ -48,6 +48,8 @@ class QuantStore(ResidualStore):
     def decode(self, kind, parts, out, positions=None):
         return quantizer.dequantize(parts, self.config.bits, self.config.group_size, self.axis(kind), out)
 
+    compact = True
+
     def attends_codes(self) -> bool:
         """Whether a decode query can attend straight from the codes (``kvcompress.kernels.fused_quant``)."""
         c = self.config
