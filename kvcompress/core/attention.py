@@ -24,14 +24,18 @@ BACKENDS = ("sdpa", "eager")
 HOOKS = "_kvcompress_hooks"  # the model attribute holding install()'s hook handles
 
 
+# the model config attribute naming the kernel behind "kvcompress", and its value when unset
+CONFIG_KEY, DEFAULT = "kvcompress_backend", "sdpa"
+
+
 def backend_of(config) -> str:
-    return getattr(config, "kvcompress_backend", "sdpa")
+    return getattr(config, CONFIG_KEY, DEFAULT)
 
 
 def kvcompress_mask(*args, attention_mask=None, config=None, **kwargs):
     """Mask function: the backend's usual mask (policy layers mask from their own state instead; the
     forward's padding reaches them through ``forward_state``)."""
-    fn = eager_mask if getattr(config, "kvcompress_backend", "sdpa") == "eager" else sdpa_mask
+    fn = eager_mask if getattr(config, CONFIG_KEY, DEFAULT) == "eager" else sdpa_mask
     return fn(*args, attention_mask=attention_mask, config=config, **kwargs)
 
 
@@ -47,7 +51,7 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     state = kwargs.pop(forward_state.KEY, None)
     layer = None if state is None else state.take(getattr(module, "layer_idx", -1))
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    call = Call(module, query, scaling, kwargs, getattr(module.config, "kvcompress_backend", "sdpa"), dropout)
+    call = Call(module, query, scaling, kwargs, getattr(module.config, CONFIG_KEY, DEFAULT), dropout)
     if layer is None:
         return execute(Plan(Dense(key, value, attention_mask)), call)[0], None
     if TIMER.enabled:  # policy time: the plan and what the layer does with attention's result

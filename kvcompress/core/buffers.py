@@ -80,7 +80,7 @@ class Slots:
         shape = list(like.shape)
         shape[dim] = n + headroom(n)
         buf = torch.empty(shape, dtype=like.dtype, device=like.device)
-        self._owned[name] = (buf.untyped_storage().data_ptr(), dim % buf.dim(), buf.shape, buf.stride())
+        self._adopt(name, buf, dim)
         return buf
 
     def room(self, name: str, x: torch.Tensor, dim: int = 2) -> int:

@@ -59,11 +59,6 @@ class ForwardState:
         return self._pending.pop(layer_idx, None)
 
 
-def of(kwargs: dict | None) -> ForwardState | None:
-    """The forward state in a model's keyword arguments (``cache.update``'s ``kwargs``), or None."""
-    return None if not isinstance(kwargs, dict) else kwargs.get(KEY)
-
-
 def validity(state: ForwardState | None, batch: int, q: int, device) -> torch.Tensor | None:
     """``state.new_token_validity``; None without a state (a layer driven by hand, outside a model)."""
     return None if state is None else state.new_token_validity(batch, q, device)
