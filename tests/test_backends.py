@@ -110,3 +110,30 @@ def test_a_model_kernel_no_backend_runs_is_refused_not_swapped(implementation):
     with torch.inference_mode():
         model(torch.tensor([[5, 6, 7]]), cache=cache, use_cache=True)
     assert attention_backends(cache) == {"sdpa": len(cache.layers)}  # one prefill step per layer
+
+
+class Unmasked(Reference):
+    """Serves dense reads without a mask only: its answer depends on the mask, which the signature holds."""
+
+    name = "unmasked"
+
+    def missing(self, plan, call):
+        return "no mask only" if plan.read.mask is not None else super().missing(plan, call)
+
+
+def test_the_remembered_choice_follows_the_signature_and_registering_forgets_it():
+    q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 5, 8)
+    call = Call(Standalone(), q, 0.3, {}, "sdpa")
+    masked = Plan(Dense(k, k, torch.ones(1, 1, 1, 5, dtype=torch.bool)))
+    saved = list(executor.BACKENDS)
+    try:
+        assert executor.backend_for(Plan(Dense(k, k, None)), call).name == "sdpa"  # remembered
+        executor.register(Unmasked())  # registering forgets: the new backend is asked
+        assert executor.backend_for(Plan(Dense(k, k, None)), call).name == "unmasked"
+        assert executor.backend_for(masked, call).name == "sdpa"  # another signature, another answer
+        assert executor.signature(masked, call) != executor.signature(Plan(Dense(k, k, None)), call)
+        executor.unregister("unmasked")
+        assert executor.backend_for(Plan(Dense(k, k, None)), call).name == "sdpa"
+    finally:
+        executor.BACKENDS[:] = saved
+        executor.forget()
