@@ -13,7 +13,7 @@ RUN_DIR ?= multirun/make-run
 COMPAT_TRANSFORMERS ?= 5.24
 COMPAT_VENV ?= .venv-compat
 # the 18 decoder families of the zoo and the contract every policy keeps
-COMPAT_TESTS ?= tests/test_families.py tests/test_policy_contract.py
+COMPAT_TESTS ?= tests/contract/test_families.py tests/contract/test_policy_contract.py
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -22,7 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from kvcompress import kernels
 from kvcompress.core import executor
-from kvcompress.core.cache import known_policies, known_storages, make_policy
+from kvcompress.core.cache import build_cache, known_policies, known_storages, make_policy
 from kvcompress.core.registry import ENV, make_storage
 from kvcompress.kernels import ISA_ENV, ISAS
 from kvcompress.resources.assets import ARTIFACTS_ENV, ASSETS_ENV
@@ -69,6 +70,38 @@ STORAGE_VARIANTS = {
     for name in STORAGE_NAMES
     for i, params in enumerate(type(make_storage(name)).TEST_PARAMS)
 }
+
+
+# The selector x storage cells (the product of conf/policy selectors and conf/storage variants) that the
+# contract, padded-batch and persistence tests run over.
+CELLS = [(sel, var) for sel in SELECTORS for var in STORAGE_VARIANTS]
+IDS = [f"{sel}-{var}" for sel, var in CELLS]
+
+
+def cell_policy(sel: str, var: str):
+    return dataclasses.replace(small(sel), storage=make_storage(dict(STORAGE_VARIANTS[var])))
+
+
+def fix_of(reason: str) -> str:
+    """The fix a declared refusal names: what follows its "use" (every refusal must name one)."""
+    found = re.search(r"\b[Uu]se (.+)$", reason)
+    assert found, f"a refusal must say what to use instead: {reason!r}"
+    return found.group(1)
+
+
+def build_or_refused(sel, var, model):
+    """The cache of a cell, or None when refused: ``build_cache`` refuses exactly the cells whose selector
+    or storage declares a refusal (``Policy.refusal``), and its error names the declared fix."""
+    policy = cell_policy(sel, var)
+    declared = policy.refusal()
+    try:
+        cache = build_cache(policy, model)
+    except ValueError as err:
+        assert declared is not None, f"{sel} x {var} refused without a declared refusal: {err}"
+        assert "cannot work" in str(err) and fix_of(declared) in str(err)
+        return None
+    assert declared is None, f"{sel} x {var} declares a refusal ({declared}) but was built"
+    return cache
 
 
 def max_memory_ratio(policy: Policy, num_layers: int = 3) -> float:

@@ -110,6 +110,24 @@ def save_tiny_checkpoint(path, texts) -> None:
     tokenizer.save_pretrained(path)
 
 
+def run_config(checkpoint, tmp, *overrides):
+    """The experiment config (``conf/config.yaml``) for ``checkpoint`` (``save_tiny_checkpoint``): 40 tokens
+    of ``tmp/essays.txt`` in one slice, no speed or progress, then ``overrides``."""
+    from hydra import compose, initialize_config_dir
+
+    import kvcompress.harness.cli  # noqa: F401  (the resolvers and declared/ groups the configs compose)
+    from kvcompress.core.registry import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(
+            "config",
+            overrides=[
+                "model=hf", f"model.name={checkpoint}", "task.max_tokens=40", "task.slices=1",
+                "task.speed=false", "task.progress=false", f"task.text={tmp / 'essays.txt'}", *overrides,
+            ],
+        )  # fmt: skip
+
+
 def save_tiny_gguf_tokenizer(folder, checkpoint) -> None:
     """``folder/tiny.gguf``: the byte-level BPE tokenizer of ``checkpoint`` (``save_tiny_checkpoint``) in
     GGUF metadata, with one placeholder tensor: what ``AutoTokenizer(folder, gguf_file=...)`` reads."""

@@ -63,3 +63,37 @@ def make_family(family: str, dtype=torch.float32):
     config = getattr(transformers, config_cls)(**{**COMMON, **extra})
     torch.manual_seed(0)
     return getattr(transformers, model_cls)(config).to(dtype).eval()
+
+
+# The ways a model rotates its keys (pre-RoPE low-rank keys and the C++ kernel's cos/sin table): the unit
+# tests' tiny shape under scaled RoPE (Llama-3, YaRN), partial rotary dims (Phi-3) and NoPE layers (SmolLM3).
+ROPE_TINY = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4
+)
+ROPE_TINY |= dict(
+    num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=95
+)
+ROPE = {"rope_theta": 10000.0}
+SCALED_ROPE = {
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0},
+}
+
+
+def make_rope_model(family: str):
+    """A tiny random model of ``family`` (fixed seed): ``llama``, ``qwen2``, a key of ``SCALED_ROPE``,
+    ``phi3_partial`` or ``smollm3_nope``."""
+    from conftest import make_tiny
+
+    torch.manual_seed(0)
+    if family in ("llama", "qwen2"):
+        return make_tiny(family)
+    if family in SCALED_ROPE:
+        params = {**SCALED_ROPE[family], **ROPE, "original_max_position_embeddings": 16}
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**ROPE_TINY, rope_parameters=params))
+    elif family == "phi3_partial":
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**ROPE_TINY, partial_rotary_factor=0.5))
+    elif family == "smollm3_nope":
+        config = transformers.SmolLM3Config(**ROPE_TINY, no_rope_layer_interval=2)
+        model = transformers.SmolLM3ForCausalLM(config)
+    return model.eval()

@@ -1,6 +1,6 @@
 """The one GPU run: every number the GPU path owes, from a single command of at most 10 minutes.
 
-1. ``kernels``: the Triton kernel tests (``tests/test_triton_kernels.py``) on CUDA.
+1. ``kernels``: the Triton kernel tests (``tests/kernels/test_triton_kernels.py``) on CUDA.
 2. ``syncs``: steady-state decode of every main policy under ``torch.cuda.set_sync_debug_mode("error")``
    (``tiered`` under ``"warn"``, counted: it may read one small tensor per layer-step).
 3. ``bench``: a random-weight model of Llama-3.1-8B's shape in bfloat16 at 8k and 32k tokens: prefill time,
@@ -13,8 +13,8 @@ One JSON record (written atomically after each part) and a printed table.
     python experiments/gpu/run.py --out experiments/gpu/runs/gpu_h200.json    # where a GPU is available
     python experiments/gpu/run.py --dry-run --out /tmp/gpu_dry.json           # the same code, CPU, tiny
 
-The dry run (``tests/test_gpu_script.py``) uses a 2-layer model of the same head layout, 64- and 128-token
-contexts and 4 decode steps; its syncs part counts host-blocking operations with
+The dry run (``tests/experiments/test_gpu_script.py``) uses a 2-layer model of the same head layout, 64- and
+128-token contexts and 4 decode steps; its syncs part counts host-blocking operations with
 ``kvcompress.metrics.host_syncs`` instead of CUDA's debug mode.
 """
 
@@ -106,7 +106,8 @@ def _sync(device: str) -> None:
 def kernels(dry: bool) -> dict:
     if dry:
         return {"status": "skipped", "why": "dry run: make test runs them under Triton's interpreter"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton_kernels.py"]
+    test = "tests/kernels/test_triton_kernels.py"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
     return {"status": "passed" if done.returncode == 0 else "failed", "tail": tail}

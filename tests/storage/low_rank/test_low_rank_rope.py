@@ -7,45 +7,12 @@ import pytest
 import torch
 from conftest import make_tiny
 from helpers import stream_logits
-from transformers import (
-    DynamicCache,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Phi3Config,
-    Phi3ForCausalLM,
-    SmolLM3Config,
-    SmolLM3ForCausalLM,
-)
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from zoo import ROPE, ROPE_TINY, make_rope_model
 
 from kvcompress import build_cache
 from kvcompress.selectors import LowRankPolicy
 from kvcompress.storage.rope import model_ropes
-
-TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4)
-TINY |= dict(
-    num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=95
-)
-ROPE = {"rope_theta": 10000.0}
-SCALED = {
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
-    "yarn": {"rope_type": "yarn", "factor": 4.0},
-}
-
-
-def make(family: str):
-    """A tiny random model of ``family`` (fixed seed)."""
-    torch.manual_seed(0)
-    if family in ("llama", "qwen2"):
-        return make_tiny(family)
-    if family in SCALED:
-        params = {**SCALED[family], **ROPE, "original_max_position_embeddings": 16}
-        model = LlamaForCausalLM(LlamaConfig(**TINY, rope_parameters=params))
-    elif family == "phi3_partial":
-        model = Phi3ForCausalLM(Phi3Config(**TINY, partial_rotary_factor=0.5))
-    elif family == "smollm3_nope":
-        model = SmolLM3ForCausalLM(SmolLM3Config(**TINY, no_rope_layer_interval=2))
-    return model.eval()
-
 
 FAMILIES = ["llama", "qwen2", "phi3_partial", "llama3", "yarn", "smollm3_nope"]
 
@@ -57,7 +24,7 @@ def policy(tmp_path, **kw):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_unrotate_then_rotate_is_identity(family):
-    rope = model_ropes(make(family), 3)[0]
+    rope = model_ropes(make_rope_model(family), 3)[0]
     x = torch.randn(2, 2, 9, 16)
     pos = torch.randint(0, 500, (2, 2, 9))
     torch.testing.assert_close(rope.rotate(rope.unrotate(x, pos), pos), x, atol=1e-5, rtol=0)
@@ -79,7 +46,7 @@ def _pre_and_post(model, tokens):
 
 @pytest.mark.parametrize("family", ["llama", "phi3_partial", "llama3", "yarn"])
 def test_rope_is_the_models_own_rotation(family, tokens):
-    model = make(family)
+    model = make_rope_model(family)
     proj, post = _pre_and_post(model, tokens[:, :20])
     d, h = 16, 2
     if family == "phi3_partial":  # fused qkv: the keys follow the 4 query heads
@@ -94,7 +61,7 @@ def test_rope_is_the_models_own_rotation(family, tokens):
 @pytest.mark.parametrize("keys", ["pre_rope", "post_rope"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_full_rank_reproduces_full(family, keys, tokens, tmp_path):
-    model = make(family)
+    model = make_rope_model(family)
     ref = stream_logits(model, tokens, DynamicCache(config=model.config), chunk=5)
     for basis in ("joint", "head"):
         cache = build_cache(policy(tmp_path, rank=16, keys=keys, basis=basis), model)
@@ -104,7 +71,7 @@ def test_full_rank_reproduces_full(family, keys, tokens, tmp_path):
 
 
 def test_nope_layers_skip_unrotation(tmp_path):
-    model = make("smollm3_nope")
+    model = make_rope_model("smollm3_nope")
     ropes = model_ropes(model, 3)
     assert [r is None for r in ropes] == [False, True, False]  # no_rope_layers = [1, 0, 1]
     cache = build_cache(policy(tmp_path, rank=4), model)
@@ -113,7 +80,7 @@ def test_nope_layers_skip_unrotation(tmp_path):
 
 def test_positions_are_the_models_own(tokens, tmp_path):
     """Explicit position_ids (a prompt starting at 100) reach the store; reads rotate keys back at them."""
-    model = make("llama")
+    model = make_rope_model("llama")
     cache = build_cache(policy(tmp_path, rank=16, recent=2), model)
     pos = torch.arange(100, 148)[None]
     with torch.inference_mode():
@@ -129,7 +96,7 @@ def test_positions_are_the_models_own(tokens, tmp_path):
 
 def test_stateful_rope_is_refused(tmp_path):
     model = LlamaForCausalLM(
-        LlamaConfig(**TINY, rope_parameters={"rope_type": "dynamic", "factor": 2.0, **ROPE})
+        LlamaConfig(**ROPE_TINY, rope_parameters={"rope_type": "dynamic", "factor": 2.0, **ROPE})
     )
     with pytest.raises(ValueError, match="low_rank.keys='pre_rope' cannot work.*dynamic.*keys=post_rope"):
         build_cache(policy(tmp_path, rank=4), model)

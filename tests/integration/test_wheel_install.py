@@ -21,7 +21,7 @@ from helpers import fake_essay
 
 from kvcompress.core.registry import CONF_DIR
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 CHECK = textwrap.dedent(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import runpy
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "fused" / "decode_speed.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "fused" / "decode_speed.py"
 
 
 class FakeCache:

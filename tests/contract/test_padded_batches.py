@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny
+from conftest import CELLS, IDS, cell_policy, make_tiny
 from helpers import refuses_padding
-from test_selector_storage_product import CELLS, IDS, cell_policy
 
 from kvcompress import build_cache
 from kvcompress.runtime.padding import Padded, left_pad

@@ -13,7 +13,7 @@ from kvcompress.harness.docgen.blocks import DocsReport, regenerate_text
 from kvcompress.harness.report import cell, compare_rows, markdown_table
 from kvcompress.resources.files import write_json_atomic
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 THIS = Path(__file__).resolve()
 WINDOW = "kvcompress.selectors.SlidingWindowPolicy"
 

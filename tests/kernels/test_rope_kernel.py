@@ -11,9 +11,8 @@ import pytest
 import torch
 from conftest import kernel_or_skip, make_tiny
 from helpers import stream_logits
-from test_low_rank_rope import ROPE, TINY, make
 from transformers import LlamaConfig, LlamaForCausalLM
-from zoo import make_family
+from zoo import ROPE, ROPE_TINY, make_family, make_rope_model
 
 from kvcompress import build_cache, kernels
 from kvcompress.core.latents import from_blocks
@@ -36,7 +35,9 @@ pytestmark = [
 
 def rope_of(head_dim: int) -> Rope:
     """Layer 0's rotation of a tiny random Llama whose heads have ``head_dim`` channels."""
-    config = LlamaConfig(**{**TINY, "head_dim": head_dim}, rope_parameters={"rope_type": "default", **ROPE})
+    config = LlamaConfig(
+        **{**ROPE_TINY, "head_dim": head_dim}, rope_parameters={"rope_type": "default", **ROPE}
+    )
     return model_ropes(LlamaForCausalLM(config).eval(), 3)[0]
 
 
@@ -78,7 +79,7 @@ def test_kernel_equals_rebuild_then_rotate(d, h_kv, blocks, n, t):
 
 
 def test_int8_scales_fold_into_the_logits():
-    rope = model_ropes(make("llama"), 3)[0]
+    rope = model_ropes(make_rope_model("llama"), 3)[0]
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(1, 2, 2, 16, generator=gen)
     codes = torch.randint(-127, 128, (1, 2, 30, 4), dtype=torch.int8, generator=gen)
@@ -91,7 +92,7 @@ def test_int8_scales_fold_into_the_logits():
 
 
 def test_a_negative_position_is_left_to_the_model_module():
-    rope = model_ropes(make("llama"), 3)[0]
+    rope = model_ropes(make_rope_model("llama"), 3)[0]
     q, coef = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 4, 3)
     positions = torch.tensor([[[0, 1, -1, 3], [0, 1, 2, 3]]], dtype=torch.int32)
     assert fused_low_rank.rope_logits(q, (coef,), torch.randn(2, 16, 3), positions, rope, seen=4) is None
@@ -100,7 +101,7 @@ def test_a_negative_position_is_left_to_the_model_module():
 @pytest.mark.parametrize("family", ["llama", "phi3_partial", "llama3", "yarn"])
 def test_the_models_rotations_fit_the_kernel(family):
     """Half-split pairs, partial rotary dims and scaled cos/sin (Llama-3, YaRN's attention factor)."""
-    rope = model_ropes(make(family), 3)[0]
+    rope = model_ropes(make_rope_model(family), 3)[0]
     assert rope.fits_kernel(16)
     cos, sin = rope.table.covering(40)
     assert cos.shape[-1] == (4 if family == "phi3_partial" else 8)  # rotary dims / 2
@@ -121,7 +122,7 @@ def _interleaved(q, k, cos, sin):
 
 
 def test_another_pairing_keeps_the_model_module_path():
-    model = make("llama")
+    model = make_rope_model("llama")
     mine = model_ropes(model, 3)[0]
     rope = Rope(mine.rotary, _interleaved)
     assert not rope.fits_kernel(16)
@@ -191,7 +192,7 @@ def test_gemma3_local_and_global_layers_keep_their_own_tables():
 def test_rotations_read_from_the_table_equal_the_models_module(family):
     """``rotate``/``unrotate`` take cos/sin rows from the table where it holds the positions (the same
     products and sums as the model's function), the module past it or for a negative position."""
-    rope = model_ropes(make(family), 3)[0]
+    rope = model_ropes(make_rope_model(family), 3)[0]
     x = torch.randn(2, 2, 9, 16, generator=torch.Generator().manual_seed(4))
     inside = torch.randint(0, 1000, (2, 1, 9), dtype=torch.int32)
     for pos in (inside, inside + 5000, torch.where(inside > 500, -3, inside)):
@@ -203,7 +204,7 @@ def test_rotations_read_from_the_table_equal_the_models_module(family):
 
 def test_inverse_rows_follow_the_table_as_it_grows():
     """Encoding un-rotates with rows computed once per table size: exactly the per-key inverse."""
-    table = model_ropes(make("llama"), 3)[0].table
+    table = model_ropes(make_rope_model("llama"), 3)[0].table
     for stop in (10, 3 * rope_table.STEP):
         cos, sin = table.covering(stop)
         inv_cos, inv_sin = table.inverse()

@@ -1,7 +1,7 @@
 """Snapshots and cache files over every selector x storage cell (and every other policy in conf/policy/):
 restore and load give back the identical state, bit for bit, and the same next logits; loading into
 another model, a file written by other code or a changed layer format is refused by name (more checks of
-cache files: tests/test_cache_file_checks.py)."""
+cache files: tests/persist/test_cache_file_checks.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import json
 
 import pytest
 import torch
-from conftest import POLICY_NAMES, is_selector, make_tiny, small
+from conftest import CELLS, IDS, POLICY_NAMES, build_or_refused, is_selector, make_tiny, small
 from helpers import stream_logits
-from test_selector_storage_product import CELLS, IDS, build_or_refused
 
 from kvcompress import build_cache, compress_context, load_cache, save_cache
 from kvcompress.persist import HEADER_KEY, cache_state

@@ -1,7 +1,8 @@
 """Every bad input gets a clear error naming the field, the value and what is allowed (before model work).
 
 A policy's or storage's own fields are refused from their declarations (``test_declared_fields``), rules
-across its fields in its own tests (``tests/policies``); here: names, files, models, texts and lengths."""
+across its fields in its own tests (``tests/selectors``, ``tests/storage``); here: names, files, models, texts
+and lengths."""
 
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def test_bad_input_is_refused_clearly(case, call, message, llama, tmp_path):
 @pytest.mark.parametrize("name", known_policies())
 def test_an_unknown_field_is_refused_naming_the_known_ones(name):
     """Every registered policy (its own fields' bad values: ``test_declared_fields``; rules across fields:
-    each method's own tests under ``tests/policies``)."""
+    each method's own tests under ``tests/selectors`` and ``tests/storage``)."""
     with pytest.raises(ValueError, match=rf"policy '{name}' has no field\(s\) \['bitz'\]; fields: \["):
         make_policy(name, bitz=4)
 

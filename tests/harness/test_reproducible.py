@@ -4,30 +4,16 @@ and every record says what produced it (versions, commit, device, threads, dtype
 from __future__ import annotations
 
 import pytest
-from hydra import compose, initialize_config_dir
+from helpers import run_config
 
-import kvcompress.harness.cli  # noqa: F401  (the resolvers and declared/ groups the configs compose)
-from kvcompress.core.registry import CONF_DIR as REGISTRY_DIR
 from kvcompress.harness.app import run_experiment
 
-CONF_DIR = str(REGISTRY_DIR)
 CASES = {
     "full": ["policy=full"],
     "h2o": ["policy=h2o", "policy.budget=20", "policy.compression_ratio=null", "policy.recent=4"],
     "quant": ["policy=quant", "policy.bits=2", "policy.group_size=4", "policy.recent=8"],
     "low_rank": ["policy=low_rank", "policy.rank=4", "policy.calibration_text=random", "policy.energy=null"],
 }
-
-
-def _cfg(checkpoint, tmp, *overrides):
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(
-            "config",
-            overrides=[
-                "model=hf", f"model.name={checkpoint}", "task.max_tokens=40", "task.slices=1",
-                "task.speed=false", "task.progress=false", f"task.text={tmp / 'essays.txt'}", *overrides,
-            ],
-        )  # fmt: skip
 
 
 def _timeless(metrics: dict) -> dict:
@@ -41,7 +27,7 @@ def test_same_config_twice_gives_identical_metrics(case, tmp_path, tiny_checkpoi
 
     (tmp_path / "essays.txt").write_text(" ".join(fake_essay(i) for i in range(3)))
     extra = [f"policy.calibration_dir={tmp_path / 'calib'}"] if case == "low_rank" else []
-    cfg = _cfg(tiny_checkpoint, tmp_path, *CASES[case], *extra, "resume=false")
+    cfg = run_config(tiny_checkpoint, tmp_path, *CASES[case], *extra, "resume=false")
     first = run_experiment(cfg, tmp_path / "a")
     if case == "low_rank":  # the second run must recompute, not reuse the saved calibration
         for f in (tmp_path / "calib").glob("*"):

@@ -11,7 +11,7 @@ import pytest
 from kvcompress.harness.plots import pareto_front
 from kvcompress.resources.files import write_json_atomic
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
 WINDOW = "kvcompress.selectors.SlidingWindowPolicy"
 

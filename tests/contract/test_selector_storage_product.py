@@ -3,48 +3,25 @@ each cell either keeps the cache contract or is refused by ``build_cache`` with 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
-import re
 
 import pytest
 import torch
-from conftest import SELECTORS, STORAGE_VARIANTS, make_tiny, max_memory_ratio, small
+from conftest import (
+    CELLS,
+    IDS,
+    SELECTORS,
+    STORAGE_VARIANTS,
+    build_or_refused,
+    cell_policy,
+    make_tiny,
+    max_memory_ratio,
+)
 from helpers import held_tensors, refuses_padding, stream_logits
 
 from kvcompress import build_cache
 from kvcompress.core.buffers import storage_bytes
-from kvcompress.core.registry import make_storage
-
-CELLS = [(sel, var) for sel in SELECTORS for var in STORAGE_VARIANTS]
-IDS = [f"{sel}-{var}" for sel, var in CELLS]
-
-
-def cell_policy(sel: str, var: str):
-    return dataclasses.replace(small(sel), storage=make_storage(dict(STORAGE_VARIANTS[var])))
-
-
-def fix_of(reason: str) -> str:
-    """The fix a declared refusal names: what follows its "use" (every refusal must name one)."""
-    found = re.search(r"\b[Uu]se (.+)$", reason)
-    assert found, f"a refusal must say what to use instead: {reason!r}"
-    return found.group(1)
-
-
-def build_or_refused(sel, var, model):
-    """The cache of a cell, or None when refused: ``build_cache`` refuses exactly the cells whose selector
-    or storage declares a refusal (``Policy.refusal``), and its error names the declared fix."""
-    policy = cell_policy(sel, var)
-    declared = policy.refusal()
-    try:
-        cache = build_cache(policy, model)
-    except ValueError as err:
-        assert declared is not None, f"{sel} x {var} refused without a declared refusal: {err}"
-        assert "cannot work" in str(err) and fix_of(declared) in str(err)
-        return None
-    assert declared is None, f"{sel} x {var} declares a refusal ({declared}) but was built"
-    return cache
 
 
 def test_refused_cells_are_exactly_the_declared_ones(capsys):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "gpu" / "host_syncs.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "gpu" / "host_syncs.py"
 LAYER_STEP_ALLOWANCE = {"tiered": 1.0}  # the indices of the pages to fetch
 PER_FORWARD_PADDED = 2.0  # the forward's padding check and transformers' own mask decision
 

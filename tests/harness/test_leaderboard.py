@@ -13,7 +13,7 @@ from kvcompress.harness import leaderboard as lb
 from kvcompress.harness.docgen.leaderboard import block
 from kvcompress.resources.files import write_json_atomic
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TASKS = ("kvc_ruler_a", "kvc_ruler_b")
 
 

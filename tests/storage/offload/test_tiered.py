@@ -189,7 +189,7 @@ def test_a_killed_process_leaves_no_file_outside_the_configured_folder(tmp_path)
     folder = tmp_path / "cold"
     script = textwrap.dedent(f"""
         import os, signal, sys
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path.insert(0, {str(Path(__file__).parents[2])!r})
         from conftest import make_tiny
         from helpers import stream_logits
         import torch
@@ -205,7 +205,7 @@ def test_a_killed_process_leaves_no_file_outside_the_configured_folder(tmp_path)
     child_tmp = tmp_path / "tmp"  # the child's temporary folder (shared /tmp has other users' files)
     child_tmp.mkdir()
     before = set(Path(tempfile.gettempdir()).glob("kvcompress-offload*"))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "TMPDIR": str(child_tmp)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[3]), "TMPDIR": str(child_tmp)}
     proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True)
     assert proc.returncode == -9, proc.stderr.decode()[-2000:]
     assert {p.name for p in tmp_path.iterdir()} <= {"cold", "tmp"}

@@ -56,14 +56,13 @@ def test_default_leaves_the_model_and_bad_settings_are_refused():
 
 
 def test_a_run_records_its_packed_linears_and_refuses_unknown_ones(tmp_path, tiny_checkpoint, fake_cache):
-    from helpers import fake_essay
-    from test_reproducible import _cfg
+    from helpers import fake_essay, run_config
 
     from kvcompress.harness.app import run_experiment
 
     (tmp_path / "essays.txt").write_text(" ".join(fake_essay(i) for i in range(3)))
     runs = {
-        name: run_experiment(_cfg(tiny_checkpoint, tmp_path, f"model.linears={name}"), tmp_path / name)
+        name: run_experiment(run_config(tiny_checkpoint, tmp_path, f"model.linears={name}"), tmp_path / name)
         for name in ("default", "packed")
     }
     assert runs["default"]["environment"]["packed_linears"] == 0
@@ -71,4 +70,4 @@ def test_a_run_records_its_packed_linears_and_refuses_unknown_ones(tmp_path, tin
     ppl = [runs[k]["metrics"]["perplexity"] for k in ("default", "packed")]
     assert ppl[1] == pytest.approx(ppl[0], rel=1e-5)
     with pytest.raises(ValueError, match="model.linears='fast' is unknown"):
-        run_experiment(_cfg(tiny_checkpoint, tmp_path, "model.linears=fast"), tmp_path / "fast")
+        run_experiment(run_config(tiny_checkpoint, tmp_path, "model.linears=fast"), tmp_path / "fast")

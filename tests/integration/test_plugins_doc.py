@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvcompress.core.cache import make_policy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PLUGINS = ROOT / "tests" / "plugins"
 
 

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "gpu" / "smoke.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "gpu" / "smoke.py"
 
 
 def _script():
@@ -35,7 +35,7 @@ def test_bf16_cells_run_or_are_refused_and_full_matches_itself(tmp_path):
     assert cells[("tiered", "offload")]["status"] == "ok"
 
 
-RUN = Path(__file__).resolve().parents[1] / "experiments" / "gpu" / "run.py"
+RUN = Path(__file__).resolve().parents[2] / "experiments" / "gpu" / "run.py"
 
 
 def test_the_gpu_run_dry_runs_every_part_on_the_cpu(tmp_path):
