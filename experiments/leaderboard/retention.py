@@ -8,12 +8,22 @@ Diagnoses a row of docs/results.md#leaderboard that scores near zero: did the se
 the question and the answer prefix?
 
     .venv/bin/python experiments/leaderboard/retention.py expected_attention snapkv kvzip
+
+With ``--values N``: the long-value study (``retention_values``): N needles of 5-8 digits and UUID-like
+strings, every policy at each ``--ratios`` in both question modes; per case the exact match and what each
+layer and KV head read of the answer's own tokens (a tiered cache: its fetched pages). Writes the record
+``--record`` (resumable) and prints its tables; ``--table RECORD [BEFORE]`` prints them again (and the paired
+differences from BEFORE).
+
+    .venv/bin/python experiments/leaderboard/retention.py --values 10 full snapkv tiered
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+from pathlib import Path
 
 import torch
 
@@ -24,6 +34,8 @@ from kvcompress.resources.models import default_model_dir, load_model
 from kvcompress.runtime.context_pass import prefill
 from kvcompress.selectors.eviction import base
 from kvcompress.selectors.eviction import expected_attention as ea
+
+RECORD = Path(__file__).parent / "runs" / "retention" / "long_values.json"
 
 
 @contextlib.contextmanager
@@ -85,15 +97,42 @@ def needle_positions(tok, ids: torch.Tensor, answer: str) -> list[int]:
     return [i for i, (a, b) in enumerate(spans) if a < start + len(answer) and b > start]
 
 
+def long_values(model, tok, args) -> None:
+    """The long-value study (``retention_values``): run what the record lacks, then print its tables."""
+    import retention_values as rv
+
+    from kvcompress.harness.tasks.long_values import value_cases
+
+    cases = value_cases(tok, args.values, args.length, seed=args.seed)
+    record = rv.run(model, tok, cases, args.policies, args.ratios, args.record, args.span)
+    print(rv.table(record), rv.reach_table(record), sep="\n\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("policies", nargs="+")
+    ap.add_argument("policies", nargs="*")
     ap.add_argument("--ratio", type=float, default=0.75, help="compression_ratio (fraction removed)")
     ap.add_argument("--docs", type=int, default=8)
     ap.add_argument("--terms", action="store_true", help="expected_attention's two logit terms per layer")
+    ap.add_argument("--values", type=int, default=0, help="long-value needles per setting (0: RULER docs)")
+    ap.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75], help="with --values")
+    ap.add_argument("--length", type=int, default=512, help="context tokens of a long-value needle")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--span", type=int, default=0, help="the eviction selectors' span setting")
+    ap.add_argument("--record", type=Path, default=RECORD)
+    ap.add_argument("--table", type=Path, nargs="+", help="print a record's tables [and pairs with a BEFORE]")
     args = ap.parse_args()
+    if args.table:
+        import retention_values as rv
+
+        after, *before = [json.loads(p.read_text()) for p in args.table]
+        print(rv.table(after), rv.reach_table(after), *[rv.pairs(b, after) for b in before], sep="\n\n")
+        return
     torch.set_num_threads(1)
     model, tok = load_model()
+    if args.values:
+        long_values(model, tok, args)
+        return
     meta = {"tokenizer": str(default_model_dir()), "max_seq_lengths": [1024], "num_samples": args.docs}
     docs = kvc_ruler.niah_single(**meta)["test"]
     print(

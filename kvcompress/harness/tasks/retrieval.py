@@ -39,7 +39,14 @@ class Case:
 
 
 def split_prompt(tokenizer, context: str, question: str, chat: bool, answer_prefix: str = ""):
-    """Token ids (1, n) of the context part and of the question part of one prompt.
+    """Token ids (1, n) of the context part and of the question part of one prompt (``prompt_texts``)."""
+    head, tail = prompt_texts(tokenizer, context, question, chat, answer_prefix)
+    encode = lambda s: tokenizer(s, add_special_tokens=False, return_tensors="pt").input_ids  # noqa: E731
+    return encode(head), encode(tail)
+
+
+def prompt_texts(tokenizer, context: str, question: str, chat: bool, answer_prefix: str = ""):
+    """Text of the context part and of the question part of one prompt, each encoded on its own.
 
     With ``chat`` the tokenizer's chat template wraps ``context + question`` in one user turn and the
     split falls right after the context, so both modes see the same tokens.
@@ -59,8 +66,7 @@ def split_prompt(tokenizer, context: str, question: str, chat: bool, answer_pref
         head, tail = text[:cut], text[cut:] + answer_prefix
     else:
         head, tail = context, sep + question + sep + answer_prefix
-    encode = lambda s: tokenizer(s, add_special_tokens=False, return_tensors="pt").input_ids  # noqa: E731
-    return encode(head), encode(tail)
+    return head, tail
 
 
 def eos_ids(model, tokenizer) -> set[int]:

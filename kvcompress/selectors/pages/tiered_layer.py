@@ -59,6 +59,8 @@ class TieredLayer(PolicyLayer):
                 ok = torch.cat([page_ok, ok.expand(*page_ok.shape[:2], -1, -1)], dim=-1)
         # the page slots fetched (every head reads as many without padding; with it, unused slots count too)
         self.count_read(total if pages is None else total + pages.shape[-1] * bs)
+        if self.probe is not None:  # a probe watches (``PolicyLayer.watch``): positions of what is read
+            self.read_pos = self._read_positions(pages, total)
         if pages is not None:
             page_k, page_v = self.store.fetch(pages, getattr(self, "_ahead", None))  # (B, H_kv, k * bs, D)
             key, value = torch.cat([page_k, key], dim=2), torch.cat([page_v, value], dim=2)
@@ -66,6 +68,19 @@ class TieredLayer(PolicyLayer):
         if ok is None:
             return key, value, None
         return key, value, ok | ~ok.any(-1, keepdim=True)  # padding queries: no all-masked row (NaN)
+
+    def _read_positions(self, pages, total: int) -> torch.Tensor:
+        """Positions (1 or B, 1 or H_kv, n) of the keys ``attend`` returns: the fetched pages' tokens (-1 in
+        an unused page slot), then the ``total`` hot tokens (stored slot = cache position: no eviction)."""
+        bs = self.store.config.block_size
+        first = self.store.cold_pages * bs  # slot of the first hot token
+        hot = torch.arange(first, first + total, device=self.device).view(1, 1, -1)
+        if pages is None:
+            return hot
+        t = (pages[..., None] * bs + torch.arange(bs, device=self.device)).masked_fill(
+            pages[..., None] < 0, -1
+        )
+        return torch.cat([t.flatten(2), hot.expand(*pages.shape[:2], -1)], dim=-1)
 
     def _pages_allowed(self, pages, qpos, valid) -> torch.Tensor:
         """Which tokens of the fetched ``pages`` (B, H_kv, k) each query may read: (B, H_kv, q, k * bs)."""

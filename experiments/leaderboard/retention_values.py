@@ -1,0 +1,195 @@
+"""The long-value study of ``retention.py --values``: answer-token retention and exact match per setting.
+
+Every policy at each ratio in both question modes answers the same ``harness.tasks.long_values`` needles
+(5-8 digit numbers and UUID-like strings in the embedded essays); each case records what every layer and KV
+head read of the answer, the needle sentence and the question (``metrics.retention``) and the exact match.
+The record (one JSON file, rewritten atomically after each setting, resumable) holds every case; the tables
+are made from it (``table``, ``pairs``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvcompress import make_policy
+from kvcompress.harness.tasks.long_values import run_value_case
+from kvcompress.harness.tasks.retrieval import eos_ids
+from kvcompress.metrics.retention import summarize
+from kvcompress.metrics.stats import t_interval, wilson
+
+PAGE = 8  # offload storage's default block_size: tiered reads whole pages
+EVICTING = ("snapkv", "pyramidkv", "h2o", "tova", "kvzip", "expected_attention", "block_evict")
+
+
+def policy_at(name: str, ratio: float | None, prompt_tokens: int, span: int = 0):
+    """``name`` removing ``ratio`` of a ``prompt_tokens`` prompt: ``compression_ratio`` for eviction,
+    the window for ``sliding_window`` (4 sinks), ``read_ratio = 1 - ratio`` of the cold pages for ``tiered``
+    (its device LRU sized to hold them); ``span`` for the selectors that share it."""
+    if name == "full" or ratio is None:
+        return make_policy(name)
+    if name == "sliding_window":
+        return make_policy(name, window=max(1, int(prompt_tokens * (1 - ratio)) - 4))
+    if name == "tiered":
+        pages = math.ceil((1 - ratio) * prompt_tokens / PAGE) + 2
+        return make_policy(
+            name, read_ratio=1 - ratio, storage={"name": "offload", "lru_pages": max(38, pages)}
+        )
+    return make_policy(name, compression_ratio=ratio, **({"span": span} if span else {}))
+
+
+def settings(policies: list[str], ratios: list[float]) -> list[tuple[str, float | None, bool]]:
+    """(policy, ratio, question_in_prompt) of every point: ``full`` once per mode, the others per ratio."""
+    out = []
+    for name in policies:
+        for ratio in [None] if name == "full" else ratios:
+            out += [(name, ratio, True), (name, ratio, False)]
+    return out
+
+
+def key(name: str, ratio: float | None, mode: bool) -> str:
+    return f"{name}|{ratio}|{mode}"
+
+
+def run(model, tok, cases, policies, ratios, path: Path, span: int = 0) -> dict:
+    """Every setting over ``cases``; the record at ``path`` after each one (finished settings are kept)."""
+    record = json.loads(path.read_text()) if path.exists() else {"settings": {}}
+    record.update(meta(cases, span))
+    stop, todo = eos_ids(model, tok), settings(policies, ratios)
+    for i, (name, ratio, mode) in enumerate(todo):
+        if key(name, ratio, mode) in record["settings"]:
+            continue
+        start, samples = time.time(), []
+        for case in cases:
+            prompt = case.head.shape[1] + (case.tail.shape[1] if mode else 0)
+            policy = policy_at(name, ratio, prompt, span if name in EVICTING else 0)
+            samples.append(run_value_case(model, tok, policy, case, mode, stop))
+        record["settings"][key(name, ratio, mode)] = {
+            "policy": name, "ratio": ratio, "question_in_prompt": mode,
+            "span": span if name in EVICTING else 0,
+            "params": {k: str(v) for k, v in vars(policy).items()}, "samples": samples,
+        }  # fmt: skip
+        write(path, record)
+        right = sum(s["correct"] for s in samples)
+        print(f"[{i + 1}/{len(todo)}] {key(name, ratio, mode)}: {right}/{len(samples)} exact, "
+              f"{time.time() - start:.0f}s", flush=True)  # fmt: skip
+    return record
+
+
+def meta(cases, span: int) -> dict:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
+    return {
+        "command": " ".join(["python", *sys.argv]), "code_version": commit.strip(), "span": span,
+        "threads": torch.get_num_threads(), "needles": len(cases),
+        "cases": [{"kind": c.kind, "value": c.value, "depth": c.depth} for c in cases],
+    }  # fmt: skip
+
+
+def write(path: Path, record: dict) -> None:
+    """Write ``record`` atomically: a temporary file next to it, then a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, path)
+
+
+def sample_numbers(s: dict, field: str = "answer_first") -> dict:
+    """``summarize`` of one case's hits in ``field`` over the answer's tokens."""
+    return summarize(torch.tensor(s[field]), s["answer_tokens"])
+
+
+def loss_kind(s: dict) -> str:
+    """A wrong case: ``whole`` (every layer and head read the whole answer), ``none`` (none read any of
+    it), else ``partial``."""
+    n = sample_numbers(s)
+    return "whole" if n["whole_everywhere"] == 1 else ("none" if n["pairs_none"] == 1 else "partial")
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def table(record: dict) -> str:
+    """The markdown table of a record: per setting, exact match (95% Wilson interval), the answer's
+    retention at its first decode step (share of its tokens read, the whole-answer rate over (layer, KV
+    head) pairs, the cases whole in every pair), the wrong cases by ``loss_kind``, the needle sentence's
+    share and the cache's bytes against ``full``'s."""
+    rows = [
+        "| policy | ratio | question | exact match | answer share | whole-answer rate (pairs) "
+        "| whole everywhere | wrong: whole / partial / none | needle share | cache ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in record["settings"].values():
+        cases, n = s["samples"], len(s["samples"])
+        nums = [sample_numbers(c) for c in cases]
+        right = sum(c["correct"] for c in cases)
+        lo, hi = wilson(right, n)
+        wrong = [loss_kind(c) for c in cases if not c["correct"]]
+        needle = mean(mean(sum(c["needle_first"], [])) / c["needle_tokens"] for c in cases)
+        rows.append(
+            f"| {s['policy']}{' span=' + str(s['span']) if s.get('span') else ''} | {s['ratio'] or ''} | "
+            f"{'in prompt' if s['question_in_prompt'] else 'after'} | {right}/{n} [{lo:.2f}, {hi:.2f}] | "
+            f"{mean(x['share'] for x in nums):.3f} | {mean(x['whole_rate'] for x in nums):.3f} | "
+            f"{sum(x['whole_everywhere'] for x in nums):.0f}/{n} | "
+            f"{wrong.count('whole')} / {wrong.count('partial')} / {wrong.count('none')} | {needle:.3f} | "
+            f"{mean(c['cache_ratio'] for c in cases):.3f} |"
+        )
+    return "\n".join(rows)
+
+
+def reach_table(record: dict, policy: str = "tiered") -> str:
+    """Which of the answer's tokens a page-reading ``policy``'s fetches reached: at the first decode step,
+    at every step of the answer and at any step (the pages of the step that produced each token included)."""
+    rows = [
+        "| policy | ratio | question | exact match | whole-answer rate: first step | every step | any step "
+        "| answer share: any step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for s in record["settings"].values():
+        if s["policy"] != policy:
+            continue
+        cases = s["samples"]
+        rate = {
+            f: mean(sample_numbers(c, f"answer_{f}")["whole_rate"] for c in cases)
+            for f in ("first", "all", "any")
+        }
+        share_any = mean(sample_numbers(c, "answer_any")["share"] for c in cases)
+        rows.append(
+            f"| {policy} | {s['ratio']} | {'in prompt' if s['question_in_prompt'] else 'after'} | "
+            f"{sum(c['correct'] for c in cases)}/{len(cases)} | {rate['first']:.3f} | "
+            f"{rate['all']:.3f} | {rate['any']:.3f} | {share_any:.3f} |"
+        )
+    return "\n".join(rows)
+
+
+def pairs(before: dict, after: dict) -> str:
+    """Paired 95% t-intervals (``metrics.stats``) of after - before over the same needles, per setting in
+    both records: exact match and the whole-answer rate over (layer, KV head) pairs."""
+    rows = [
+        "| policy | ratio | question | exact match before → after | Δ exact match [95%] "
+        "| whole-answer rate before → after | Δ whole-answer rate [95%] |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for k, a in after["settings"].items():
+        b = before["settings"].get(k)
+        if b is None:
+            continue
+        if [c["value"] for c in a["samples"]] != [c["value"] for c in b["samples"]]:
+            raise ValueError(f"pairs: setting {k} answered other needles before and after")
+        cells = []
+        for get in (lambda c: float(c["correct"]), lambda c: sample_numbers(c)["whole_rate"]):
+            x, y = [get(c) for c in b["samples"]], [get(c) for c in a["samples"]]
+            ci = t_interval([q - p for p, q in zip(x, y, strict=True)])
+            span = "" if ci["low"] is None else f" [{ci['low']:+.3f}, {ci['high']:+.3f}]"
+            cells += [f"{mean(x):.3f} → {mean(y):.3f}", f"{ci['mean']:+.3f}{span}"]
+        mode = "in prompt" if a["question_in_prompt"] else "after"
+        rows.append(f"| {a['policy']} span={a['span']} | {a['ratio']} | {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
