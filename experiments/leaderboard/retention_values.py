@@ -9,6 +9,7 @@ are made from it (``table``, ``pairs``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -42,7 +43,10 @@ def policy_at(name: str, ratio: float | None, prompt_tokens: int, span: int = 0)
         return make_policy(
             name, read_ratio=1 - ratio, storage={"name": "offload", "lru_pages": max(38, pages)}
         )
-    return make_policy(name, compression_ratio=ratio, **({"span": span} if span else {}))
+    policy = make_policy(name, compression_ratio=ratio)
+    if span > 1 and name == "pyramidkv":  # the span of the SnapKV policy its layers run
+        return dataclasses.replace(policy, policy={**policy.policy, "span": span})
+    return dataclasses.replace(policy, span=span) if span > 1 else policy
 
 
 def settings(policies: list[str], ratios: list[float]) -> list[tuple[str, float | None, bool]]:

@@ -19,6 +19,7 @@ from kvcompress.core.layer import PolicyLayer
 from kvcompress.core.policy import Policy, Shape
 from kvcompress.selectors.eviction import adaptive as ada
 from kvcompress.selectors.eviction.chunks import chunk_priority
+from kvcompress.selectors.eviction.spans import span_pool
 
 UNITS = ("token", "chunk")
 _BIG = 1e12  # priority offset: protected tokens above every score, padding below every score
@@ -58,6 +59,8 @@ class EvictionPolicy(Policy):
         compression_ratio: fraction of the tokens seen that is removed, in [0, 1).
         unit: token: keep the best tokens; chunk: keep whole chunks by their summed scores.
         chunk_size: consecutive tokens per chunk when unit is chunk.
+        span: each token ranks with the best token of any run of span adjacent tokens it is in, so runs
+            are kept together (a multi-token value with its first token); 1: every token on its own.
         adaptive: share each layer's budget among its KV heads by score (Ada-KV, arXiv 2407.11550), each
             head really storing its own number of tokens (``eviction.adaptive``); selectors that evict the
             prompt once, over dense storage.
@@ -72,6 +75,7 @@ class EvictionPolicy(Policy):
     compression_ratio: float | None = Float(None, 0.0, 1.0, high_open=True, null=True)
     unit: str = Choice("token", UNITS)
     chunk_size: int = Int(10, low=1)
+    span: int = Int(1, low=1)
     adaptive: bool = Bool(False)
     adaptive_floor: float = Float(0.2, 0.0, 1.0)
 
@@ -129,7 +133,8 @@ class EvictionLayer(PolicyLayer):
         super().__init__(policy, layer_idx, spec, store)
         self.padding_seen = 0  # padding tokens consumed by the least padded row
         self.unit = getattr(policy, "unit", "token")  # block_evict ranks its own blocks
-        if self.unit == "chunk":  # chunks are runs of stored tokens: stored order must stay sequence order
+        self.span = getattr(policy, "span", 1)  # runs kept together (``spans``)
+        if self.unit == "chunk" or self.span > 1:  # runs of stored tokens: stored order stays sequence order
             self.order_free = False
 
     def on_append(self, key_states, new_valid) -> None:
@@ -196,6 +201,8 @@ class EvictionLayer(PolicyLayer):
         if protect:
             first = first | (torch.arange(t, device=scores.device) >= t - protect)
         prio = scores.double()
+        if self.span > 1:
+            prio = span_pool(prio, self.span, ~first if self.valid is None else ~first & self.valid)
         if self.unit == "chunk":
             prio = chunk_priority(prio, self.policy.chunk_size, self.valid, ~first)
         prio = torch.where(first, _BIG + order, prio)

@@ -47,8 +47,8 @@ class H2OLayer(EvictionLayer):
         """A decode step's one eviction: the unprotected token of lowest score leaves, in place. ``select``'s
         choice (ties: the first stored) in float32 without its float64 priorities: positions are distinct,
         so with ``recent < T`` some token is unprotected. False, doing nothing, where ``select`` must decide
-        (padding stored, chunk units, storage that cannot move a token now)."""
-        if self.valid is not None or self.unit == "chunk" or not self.store.can_refill():
+        (padding stored, chunk units or spans, storage that cannot move a token now)."""
+        if self.valid is not None or not self.order_free or not self.store.can_refill():
             return False
         return self.drop_one(self.acc.masked_fill(protected, torch.inf).argmin(dim=-1, keepdim=True))
 
