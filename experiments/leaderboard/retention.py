@@ -12,8 +12,9 @@ the question and the answer prefix?
 With ``--values N``: the long-value study (``retention_values``): N needles of 5-8 digits and UUID-like
 strings, every policy at each ``--ratios`` in both question modes; per case the exact match and what each
 layer and KV head read of the answer's own tokens (a tiered cache: its fetched pages). Writes the record
-``--record`` (resumable) and prints its tables; ``--table RECORD [BEFORE]`` prints them again (and the paired
-differences from BEFORE).
+``--record`` (resumable) and its tables next to it (``.md``); ``--table RECORD [BEFORE]`` prints them again
+(and the paired differences from BEFORE, on the same needles). ``--span S`` or ``--chunk N`` run the
+score-based selectors with runs kept together (``span``, or ``unit: chunk``).
 
     .venv/bin/python experiments/leaderboard/retention.py --values 10 full snapkv tiered
 """
@@ -104,8 +105,15 @@ def long_values(model, tok, args) -> None:
     from kvcompress.harness.tasks.long_values import value_cases
 
     cases = value_cases(tok, args.values, args.length, seed=args.seed)
-    record = rv.run(model, tok, cases, args.policies, args.ratios, args.record, args.span)
-    print(rv.table(record), rv.reach_table(record), sep="\n\n")
+    keep = ({"span": args.span} if args.span > 1 else {}) | (
+        {"unit": "chunk", "chunk_size": args.chunk} if args.chunk else {}
+    )
+    record = rv.run(model, tok, cases, args.policies, args.ratios, args.record, keep)
+    tables = "\n\n".join([rv.table(record), rv.reach_table(record)])
+    args.record.with_suffix(".md").write_text(
+        f"<!-- made from {args.record.name} by retention.py -->\n{tables}\n"
+    )
+    print(tables)
 
 
 def main() -> None:
@@ -118,7 +126,8 @@ def main() -> None:
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75], help="with --values")
     ap.add_argument("--length", type=int, default=512, help="context tokens of a long-value needle")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--span", type=int, default=0, help="the eviction selectors' span setting")
+    ap.add_argument("--span", type=int, default=1, help="the score-based selectors' span (1: off)")
+    ap.add_argument("--chunk", type=int, default=0, help="unit: chunk with this chunk_size (0: off)")
     ap.add_argument("--record", type=Path, default=RECORD)
     ap.add_argument("--table", type=Path, nargs="+", help="print a record's tables [and pairs with a BEFORE]")
     args = ap.parse_args()

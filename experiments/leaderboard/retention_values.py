@@ -27,13 +27,15 @@ from kvcompress.metrics.retention import summarize
 from kvcompress.metrics.stats import t_interval, wilson
 
 PAGE = 8  # offload storage's default block_size: tiered reads whole pages
-EVICTING = ("snapkv", "pyramidkv", "h2o", "tova", "kvzip", "expected_attention", "block_evict")
+SAID = ("stopped", "diverged", "ran_on", "other")  # ``response_kind``
+SHARING = ("snapkv", "pyramidkv", "h2o", "tova", "kvzip", "expected_attention")  # EvictionPolicy's fields
 
 
-def policy_at(name: str, ratio: float | None, prompt_tokens: int, span: int = 0):
+def policy_at(name: str, ratio: float | None, prompt_tokens: int, keep: dict | None = None):
     """``name`` removing ``ratio`` of a ``prompt_tokens`` prompt: ``compression_ratio`` for eviction,
     the window for ``sliding_window`` (4 sinks), ``read_ratio = 1 - ratio`` of the cold pages for ``tiered``
-    (its device LRU sized to hold them); ``span`` for the selectors that share it."""
+    (its device LRU at least as large); ``keep``: fields every score-based selector shares (``span``, or
+    ``unit`` and ``chunk_size``), for those in ``SHARING``."""
     if name == "full" or ratio is None:
         return make_policy(name)
     if name == "sliding_window":
@@ -44,9 +46,11 @@ def policy_at(name: str, ratio: float | None, prompt_tokens: int, span: int = 0)
             name, read_ratio=1 - ratio, storage={"name": "offload", "lru_pages": max(38, pages)}
         )
     policy = make_policy(name, compression_ratio=ratio)
-    if span > 1 and name == "pyramidkv":  # the span of the SnapKV policy its layers run
-        return dataclasses.replace(policy, policy={**policy.policy, "span": span})
-    return dataclasses.replace(policy, span=span) if span > 1 else policy
+    if not keep or name not in SHARING:
+        return policy
+    if name == "pyramidkv":  # the fields of the SnapKV policy its layers run
+        return dataclasses.replace(policy, policy={**policy.policy, **keep})
+    return dataclasses.replace(policy, **keep)
 
 
 def settings(policies: list[str], ratios: list[float]) -> list[tuple[str, float | None, bool]]:
@@ -62,10 +66,10 @@ def key(name: str, ratio: float | None, mode: bool) -> str:
     return f"{name}|{ratio}|{mode}"
 
 
-def run(model, tok, cases, policies, ratios, path: Path, span: int = 0) -> dict:
+def run(model, tok, cases, policies, ratios, path: Path, keep: dict | None = None) -> dict:
     """Every setting over ``cases``; the record at ``path`` after each one (finished settings are kept)."""
     record = json.loads(path.read_text()) if path.exists() else {"settings": {}}
-    record.update(meta(cases, span))
+    record.update(meta(cases, keep))
     stop, todo = eos_ids(model, tok), settings(policies, ratios)
     for i, (name, ratio, mode) in enumerate(todo):
         if key(name, ratio, mode) in record["settings"]:
@@ -73,11 +77,11 @@ def run(model, tok, cases, policies, ratios, path: Path, span: int = 0) -> dict:
         start, samples = time.time(), []
         for case in cases:
             prompt = case.head.shape[1] + (case.tail.shape[1] if mode else 0)
-            policy = policy_at(name, ratio, prompt, span if name in EVICTING else 0)
+            policy = policy_at(name, ratio, prompt, keep)
             samples.append(run_value_case(model, tok, policy, case, mode, stop))
         record["settings"][key(name, ratio, mode)] = {
             "policy": name, "ratio": ratio, "question_in_prompt": mode,
-            "span": span if name in EVICTING else 0,
+            "keep": keep if keep and name in SHARING else {},
             "params": {k: str(v) for k, v in vars(policy).items()}, "samples": samples,
         }  # fmt: skip
         write(path, record)
@@ -87,10 +91,10 @@ def run(model, tok, cases, policies, ratios, path: Path, span: int = 0) -> dict:
     return record
 
 
-def meta(cases, span: int) -> dict:
+def meta(cases, keep: dict | None) -> dict:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
     return {
-        "command": " ".join(["python", *sys.argv]), "code_version": commit.strip(), "span": span,
+        "command": " ".join(["python", *sys.argv]), "code_version": commit.strip(), "keep": keep or {},
         "threads": torch.get_num_threads(), "needles": len(cases),
         "cases": [{"kind": c.kind, "value": c.value, "depth": c.depth} for c in cases],
     }  # fmt: skip
@@ -116,6 +120,11 @@ def loss_kind(s: dict) -> str:
     return "whole" if n["whole_everywhere"] == 1 else ("none" if n["pairs_none"] == 1 else "partial")
 
 
+def label(setting: dict) -> str:
+    """The policy and the shared keeping fields of a setting: ``snapkv span=8``."""
+    return " ".join([setting["policy"], *(f"{k}={v}" for k, v in (setting.get("keep") or {}).items())])
+
+
 def mean(values) -> float:
     values = list(values)
     return sum(values) / len(values)
@@ -128,8 +137,9 @@ def table(record: dict) -> str:
     share and the cache's bytes against ``full``'s."""
     rows = [
         "| policy | ratio | question | exact match | answer share | whole-answer rate (pairs) "
-        "| whole everywhere | wrong: whole / partial / none | needle share | cache ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| whole everywhere | wrong, read: whole / partial / none | wrong, said: stopped / diverged / ran on "
+        "/ other | needle share | cache ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in record["settings"].values():
         cases, n = s["samples"], len(s["samples"])
@@ -137,13 +147,15 @@ def table(record: dict) -> str:
         right = sum(c["correct"] for c in cases)
         lo, hi = wilson(right, n)
         wrong = [loss_kind(c) for c in cases if not c["correct"]]
+        said = [response_kind(c["value"], c["response"]) for c in cases if not c["correct"]]
         needle = mean(mean(sum(c["needle_first"], [])) / c["needle_tokens"] for c in cases)
         rows.append(
-            f"| {s['policy']}{' span=' + str(s['span']) if s.get('span') else ''} | {s['ratio'] or ''} | "
+            f"| {label(s)} | {s['ratio'] or ''} | "
             f"{'in prompt' if s['question_in_prompt'] else 'after'} | {right}/{n} [{lo:.2f}, {hi:.2f}] | "
             f"{mean(x['share'] for x in nums):.3f} | {mean(x['whole_rate'] for x in nums):.3f} | "
             f"{sum(x['whole_everywhere'] for x in nums):.0f}/{n} | "
-            f"{wrong.count('whole')} / {wrong.count('partial')} / {wrong.count('none')} | {needle:.3f} | "
+            f"{wrong.count('whole')} / {wrong.count('partial')} / {wrong.count('none')} | "
+            f"{' / '.join(str(said.count(k)) for k in SAID)} | {needle:.3f} | "
             f"{mean(c['cache_ratio'] for c in cases):.3f} |"
         )
     return "\n".join(rows)
@@ -195,5 +207,21 @@ def pairs(before: dict, after: dict) -> str:
             span = "" if ci["low"] is None else f" [{ci['low']:+.3f}, {ci['high']:+.3f}]"
             cells += [f"{mean(x):.3f} → {mean(y):.3f}", f"{ci['mean']:+.3f}{span}"]
         mode = "in prompt" if a["question_in_prompt"] else "after"
-        rows.append(f"| {a['policy']} span={a['span']} | {a['ratio']} | {mode} | " + " | ".join(cells) + " |")
+        rows.append(f"| {label(a)} | {a['ratio']} | {mode} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def response_kind(value: str, response: str) -> str:
+    """How a wrong response's first word relates to ``value``: ``stopped`` (a strict prefix: the copy
+    ended early), ``diverged`` (the first characters right, then a wrong one), ``ran_on`` (the whole value
+    and more) or ``other`` (wrong from the first character)."""
+    words = response.split()
+    word = words[0].strip(".,;:!?\"'()") if words else ""
+    shared = next(
+        (i for i, (a, b) in enumerate(zip(word, value, strict=False)) if a != b), min(len(word), len(value))
+    )
+    if shared == 0:
+        return "other"
+    if word.startswith(value):
+        return "ran_on"
+    return "stopped" if value.startswith(word) else "diverged"
