@@ -29,7 +29,7 @@ BUDGETS = [
     {"budget": (1, 40), "compression_ratio": None},
     {"budget": None, "compression_ratio": [0.0, 0.3, 0.5, 0.75, 0.95]},
 ]
-BUDGET_FUZZ = [{**alt, "unit": list(UNITS), "chunk_size": (1, 8)} for alt in BUDGETS]  # and the unit
+BUDGET_FUZZ = [{**alt, "unit": list(UNITS), "chunk_size": (1, 8), "span": (1, 6)} for alt in BUDGETS]
 
 
 DEFAULT_RATIO = 0.5  # with neither budget nor compression_ratio set
