@@ -109,7 +109,7 @@ def long_values(model, tok, args) -> None:
         {"unit": "chunk", "chunk_size": args.chunk} if args.chunk else {}
     )
     record = rv.run(model, tok, cases, args.policies, args.ratios, args.record, keep)
-    tables = "\n\n".join([rv.table(record), rv.reach_table(record)])
+    tables = "\n\n".join([rv.table(record), rv.reach_table(record), rv.divergence_table(record)])
     args.record.with_suffix(".md").write_text(
         f"<!-- made from {args.record.name} by retention.py -->\n{tables}\n"
     )
@@ -135,7 +135,8 @@ def main() -> None:
         import retention_values as rv
 
         after, *before = [json.loads(p.read_text()) for p in args.table]
-        print(rv.table(after), rv.reach_table(after), *[rv.pairs(b, after) for b in before], sep="\n\n")
+        tables = [rv.table(after), rv.reach_table(after), rv.divergence_table(after)]
+        print(*tables, *[rv.pairs(b, after) for b in before], sep="\n\n")
         return
     torch.set_num_threads(1)
     model, tok = load_model()

@@ -225,3 +225,37 @@ def response_kind(value: str, response: str) -> str:
     if word.startswith(value):
         return "ran_on"
     return "stopped" if value.startswith(word) else "diverged"
+
+
+def divergence_table(record: dict) -> str:
+    """Where a copied number went wrong (digits: token j is character j): the share of (layer, KV head)
+    pairs that read the answer's tokens before the first wrong or missing digit, and the one at it, in the
+    wrong cases that began with the value (``stopped``, ``diverged``); beside it the right cases' weakest
+    token. A drop at the divergence is a value kept in part: its head read, its tail lost."""
+    rows = [
+        "| policy | ratio | question | wrong cases that began with the value | share read: tokens before "
+        "| token at the divergence | right cases: weakest token |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s in record["settings"].values():
+        before, at, weakest = [], [], []
+        for c in s["samples"]:
+            if c["kind"] == "uuid":
+                continue
+            read = c["answer_tokens_read"]
+            if c["correct"]:
+                weakest.append(min(read))
+            elif response_kind(c["value"], c["response"]) in ("stopped", "diverged"):
+                word = c["response"].split()[0]
+                j = next(i for i, (a, b) in enumerate(zip(word + "\0", c["value"], strict=False)) if a != b)
+                before.append(mean(read[:j]))
+                at.append(read[j])
+        if not before:
+            continue
+        mode = "in prompt" if s["question_in_prompt"] else "after"
+        right = f"{mean(weakest):.3f} ({len(weakest)})" if weakest else ""
+        rows.append(
+            f"| {label(s)} | {s['ratio'] or ''} | {mode} | {len(before)} | {mean(before):.3f} | "
+            f"{mean(at):.3f} | {right} |"
+        )
+    return "\n".join(rows)

@@ -54,3 +54,10 @@ def test_records_are_written_whole(tmp_path):
     path = tmp_path / "runs" / "r.json"
     rv["write"](path, {"a": 1})
     assert json.loads(path.read_text()) == {"a": 1} and [p.name for p in path.parent.iterdir()] == ["r.json"]
+
+
+def test_divergence_reads_the_token_where_the_copy_went_wrong():
+    wrong = case("12345", " 123.", [[3, 3]], False) | {"answer_tokens_read": [1.0, 1.0, 0.5, 0.1, 0.0]}
+    right = case("67890", " 67890.", [[5, 5]], True) | {"answer_tokens_read": [1.0, 0.9, 0.8, 0.7, 0.6]}
+    row = rv["divergence_table"](record({}, [wrong, right])).splitlines()[2]
+    assert row == "| snapkv | 0.5 | in prompt | 1 | 0.833 | 0.100 | 0.600 (1) |"
