@@ -44,15 +44,16 @@ from kvcompress.runtime.context_pass import after_prefill
 
 CONTENDERS = {
     "full": ("full", {}),
-    "int4": ("quant", {"bits": 4, "fused_attention": "compile"}),  # what "auto" was when measured
-    "int8": ("quant", {"bits": 8, "fused_attention": "compile"}),
-    "int4_unfused": ("quant", {"bits": 4, "fused_attention": "off"}),
-    "int4_kernel": ("quant", {"bits": 4, "fused_attention": "kernel"}),  # what "auto" is on a CPU now
-    "int8_kernel": ("quant", {"bits": 8, "fused_attention": "kernel"}),
-    "int2_kernel": ("quant", {"bits": 2, "fused_attention": "kernel"}),
+    # the torch backend's tensor form, compiled from 1024 quantized tokens: what "auto" was when measured
+    "int4": ("quant", {"bits": 4, "backend": "torch"}),
+    "int8": ("quant", {"bits": 8, "backend": "torch"}),
+    "int4_unfused": ("quant", {"bits": 4, "backend": "dense"}),
+    "int4_kernel": ("quant", {"bits": 4, "backend": "cpu"}),  # the C++ kernel: what "auto" is on a CPU now
+    "int8_kernel": ("quant", {"bits": 8, "backend": "cpu"}),
+    "int2_kernel": ("quant", {"bits": 2, "backend": "cpu"}),
     "block_sparse_0.25": ("block_sparse", {"read_ratio": 0.25}),  # auto: pages read in place (C++ kernel)
-    "block_sparse_0.25_gather": ("block_sparse", {"read_ratio": 0.25, "fused_attention": "off"}),
-    "low_rank_32": ("low_rank", {"rank": 32}),  # fused_attention auto: latent values, pre-RoPE keys rebuilt
+    "block_sparse_0.25_gather": ("block_sparse", {"read_ratio": 0.25, "backend": "dense"}),
+    "low_rank_32": ("low_rank", {"rank": 32}),  # backend auto: latent values, pre-RoPE keys rebuilt
     "low_rank_32_head": ("low_rank", {"rank": 32, "basis": "head"}),  # per-head bases: a third of the rebuild
     "snapkv_0.5": ("snapkv", {"compression_ratio": 0.5}),
     # the other eviction policies at ratio 0.5 (the window at half of a 4k prompt)
@@ -71,10 +72,10 @@ CONTENDERS = {
         )
         for p in ("h2o", "tova")
     },  # fmt: skip
-    # low_rank: reconstruct-then-SDPA (off) vs attention in the latent space (on), pre- and post-RoPE keys
-    "low_rank_32_off": ("low_rank", {"rank": 32, "fused_attention": "off"}),
-    "low_rank_32_post": ("low_rank", {"rank": 32, "keys": "post_rope", "fused_attention": "on"}),
-    "low_rank_32_post_off": ("low_rank", {"rank": 32, "keys": "post_rope", "fused_attention": "off"}),
+    # low_rank: reconstruct-then-SDPA (dense) vs attention in the latent space (torch), pre-/post-RoPE keys
+    "low_rank_32_off": ("low_rank", {"rank": 32, "backend": "dense"}),
+    "low_rank_32_post": ("low_rank", {"rank": 32, "keys": "post_rope", "backend": "torch"}),
+    "low_rank_32_post_off": ("low_rank", {"rank": 32, "keys": "post_rope", "backend": "dense"}),
 }
 REPLAYABLE = {"int4", "int8", "int4_unfused", "block_sparse_0.25", "block_sparse_0.25_gather"} | {
     n for n in CONTENDERS if "low_rank" in n or "kernel" in n

@@ -29,8 +29,8 @@ LENGTHS = (8192, 32768)
 DECODE, WARMUP = 32, 4
 OURS = {
     "full": ("full", {}),
-    "int4": ("quant", {"bits": 4, "fused_attention": "compile"}),
-    "int2": ("quant", {"bits": 2, "fused_attention": "compile"}),
+    "int4": ("quant", {"bits": 4, "backend": "torch"}),  # the torch.compile'd tensor form (from 1024 tokens)
+    "int2": ("quant", {"bits": 2, "backend": "torch"}),
     "snapkv_0.5": ("snapkv", {"compression_ratio": 0.5}),
 }
 PEERS = {"hf_dynamic": None, "hf_quantized_fp8": "fp8", "hf_quantized_quanto_int4": "quanto"}

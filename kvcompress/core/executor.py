@@ -4,10 +4,10 @@ A backend subclasses ``Backend`` and is added by ``register``; the package's own
 ``torch``, and ``cpu`` for the C++ kernels) are registered by ``kvcompress.kernels.backends`` when
 ``kvcompress`` is imported, a new one (the GPU kernels) the same way.
 
-The choice is made once per plan signature (``signature``: the read's form and mode, the probabilities
-asked for, the query's device, dtype, heads and length, the mask's kind, the model's kernel) and remembered,
-so a steady decode step asks no backend anything; registering a backend forgets the choices. A plan that no
-backend serves gets ``None`` from ``backend_for``; ``refusal`` names what each backend lacks.
+The choice is made once per plan signature (``signature``: the read's form and the backend it asks for, the
+probabilities asked for, the query's device, dtype, heads and length, the mask's kind, the model's kernel) and
+remembered, so a steady decode step asks no backend anything; registering a backend forgets the choices. A
+plan that no backend serves gets ``None`` from ``backend_for``; ``refusal`` names what each backend lacks.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def signature(plan: Plan, call: Call) -> tuple:
     kind = None if mask is None else (mask.dtype, mask.dim(), mask.shape[1], mask.shape[2])
     key = getattr(read, "key", None)
     layout = None if key is None else (key.dtype, key.shape[1], key.stride(-1) == 1)
-    form = (read.form, getattr(read, "mode", None), layout, plan.probs, plan.grouped)
+    form = (read.form, getattr(read, "backend", None), layout, plan.probs, plan.grouped)
     return (*form, q.device.type, q.dtype, q.shape[1], q.shape[2] == 1, kind, call.configured, call.plain)
 
 
@@ -97,8 +97,8 @@ def refusal(plan: Plan, call: Call) -> Unserved:
     """The error for a plan no backend serves, naming what each one lacks."""
     q = call.query
     lacks = "; ".join(f"{name}: {reason}" for name, reason in choose(plan, call)[1].items())
-    mode = getattr(plan.read, "mode", None)
-    detail = "" if mode is None else f"mode {mode!r}, "
+    asked = getattr(plan.read, "backend", "auto")
+    detail = "" if asked == "auto" else f"backend {asked!r} asked for, "
     return Unserved(
         f"no attention backend serves a {plan.form} read ({detail}on {q.device.type}, {q.dtype}) and it has "
         f"no dense form: {lacks}"

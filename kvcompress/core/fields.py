@@ -100,14 +100,23 @@ def bad_values(cls) -> list[tuple[str, object]]:
 
 # Fields removed in 0.x, each with what replaced it: a config that still sets one is refused naming the new
 # field (one word, one meaning: ``window`` is the sliding window's kept tokens only, ``recent`` the newest
-# tokens kept exact by a selector or a storage).
+# tokens kept exact by a selector or a storage; ``backend`` the attention backend that reads a compact cache,
+# one field for quant, low_rank and block_sparse).
+BACKEND = (
+    "backend (auto stays auto; quant's kernel -> cpu, compile/eager -> torch; low_rank's on -> torch; "
+    "off -> dense)"
+)
 RENAMED = {
     "policy": {
         "window": "observation_window (the prompt queries whose attention is scored)",
         "keep_ratio": "compression_ratio (the fraction removed: 1 - keep_ratio)",
         "residual_length": "recent (the newest tokens kept exact, here in the model's dtype)",  # presets
+        "fused_attention": BACKEND,  # block_sparse, and the quant and low_rank presets
     },
-    "storage": {"residual_length": "recent (the newest tokens kept exact, here in the model's dtype)"},
+    "storage": {
+        "residual_length": "recent (the newest tokens kept exact, here in the model's dtype)",
+        "fused_attention": BACKEND,
+    },
 }
 
 

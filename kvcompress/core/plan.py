@@ -7,6 +7,10 @@ holds tensors and small values, never a callable. ``kvcompress.core.executor`` p
 (``kvcompress.kernels.backends``) that declares support for the plan, once per plan signature; when none
 serves a compact read, the attention hook asks the layer for the same step as a dense read
 (``kvcompress.core.attention``).
+
+A compact read carries the ``backend`` its storage or selector asks for (their ``backend`` field): ``auto``,
+the first backend that serves it, else the same step read dense; or one backend's name, which alone may run
+it (``required``: where it does not serve the read, the step is refused by name, never read dense instead).
 """
 
 from __future__ import annotations
@@ -21,6 +25,11 @@ import torch
 PROBS = ("none", "last", "lse")
 
 
+def _named(read) -> bool:
+    """Whether a compact read names the one backend that must run it (``required``)."""
+    return read.backend != "auto"
+
+
 @dataclass(frozen=True)
 class Dense:
     """Key/value views (B, H_kv, T, D) and a boolean mask (B or 1, 1 or H, q, T), None for plain causal."""
@@ -30,13 +39,14 @@ class Dense:
     mask: torch.Tensor | None
 
     form = "dense"
+    backend = "auto"
     required = False
 
 
 @dataclass(frozen=True)
 class Kivi:
     """KIVI packed codes (``storage.quant``): key (codes, scales, zeros) per channel, values per token, then
-    the residual window (B, H_kv, Tr, D) in full precision. ``mode`` is ``quant.fused_attention``."""
+    the residual window (B, H_kv, Tr, D) in full precision. ``backend``: ``quant.backend``."""
 
     keys: tuple
     values: tuple
@@ -44,14 +54,10 @@ class Kivi:
     value_res: torch.Tensor
     bits: int
     group: int
-    mode: str
+    backend: str = "auto"
 
     form = "kivi"
-
-    @property
-    def required(self) -> bool:
-        """``fused_attention: kernel`` asks for the C++ kernel: no dense copy instead."""
-        return self.mode == "kernel"
+    required = property(_named)
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,8 @@ class Latent:
     held by two stores). Pre-RoPE keys add ``positions`` (B, H_kv, Te) int32 of the encoded keys, the
     layer's ``rope`` (``storage.rope.Rope``: the model's rotation and its shared cos/sin table) and ``seen``,
     the tokens appended so far. ``counts``: the store's counters the attention adds to
-    (``rope_kernel_steps``: the C++ kernel computed the pre-RoPE logits)."""
+    (``rope_kernel_steps``: the C++ kernel computed the pre-RoPE logits). ``backend``:
+    ``low_rank.backend``."""
 
     keys: tuple
     key_res: torch.Tensor
@@ -77,9 +84,10 @@ class Latent:
     rope: object = None
     seen: int = 0
     counts: dict | None = None
+    backend: str = "auto"
 
     form = "latent"
-    required = False
+    required = property(_named)
 
     @property
     def kv_heads(self) -> int:
@@ -89,16 +97,18 @@ class Latent:
 @dataclass(frozen=True)
 class Pages:
     """Quest's chosen pages read where they lie: ``pages`` (B, H_kv, k) ascending, the newest last, of key
-    and value (B, H_kv, T, D) whose first ``total`` slots are stored, pages of ``block`` tokens."""
+    and value (B, H_kv, T, D) whose first ``total`` slots are stored, pages of ``block`` tokens.
+    ``backend``: ``block_sparse.backend``."""
 
     key: torch.Tensor
     value: torch.Tensor
     pages: torch.Tensor
     block: int
     total: int
+    backend: str = "auto"
 
     form = "pages"
-    required = False
+    required = property(_named)
 
 
 @dataclass(frozen=True)
@@ -115,6 +125,11 @@ class Plan:
     @property
     def form(self) -> str:
         return self.read.form
+
+    def asks_other(self, backend: str) -> str | None:
+        """Why ``backend`` may not run this plan because its read names another backend, or None."""
+        asked = self.read.backend
+        return None if asked in ("auto", backend) else f"the read asks for backend {asked!r}"
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import math
 import re
 from pathlib import Path
 
-from kvcompress.harness.results import RESULTS_FILE
+from kvcompress.harness.results import RESULTS_FILE, current_record
 from kvcompress.metrics.stats import compare, compare_paired
 
 DEFAULT_COLUMNS = [
@@ -156,7 +156,7 @@ def collect(root: Path) -> list[dict]:
     records = []
     for path in sorted(Path(root).rglob(RESULTS_FILE), key=_natural_key):
         try:
-            record = json.loads(path.read_text())
+            record = current_record(json.loads(path.read_text()))
         except json.JSONDecodeError:
             continue
         record["run_dir"] = str(path.parent)
@@ -172,7 +172,7 @@ def load_records(root: Path, pattern: str) -> list[dict]:
         path = run_dir / RESULTS_FILE
         if not path.is_file():
             continue
-        record = json.loads(path.read_text())
+        record = current_record(json.loads(path.read_text()))
         if record.get("status") == "ok":
             found.append({**record, "run_dir": str(run_dir)})
     return found

@@ -14,6 +14,16 @@ import torch
 
 RESULTS_FILE = "results.json"
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the repository root in a source checkout
+# What committed records' configs spell otherwise today (``current_record``): the package of a ``_target_``
+# before the move, and each policy or storage field renamed since, with its values that changed too.
+MOVED = ("kvcompress.policies.", "kvcompress.selectors.")
+RENAMED = {
+    "residual_length": ("recent", {}),
+    "fused_attention": (
+        "backend",
+        {"kernel": "cpu", "compile": "torch", "eager": "torch", "on": "torch", "off": "dense"},
+    ),
+}
 
 
 def _git(root: Path, *args: str) -> str | None:
@@ -110,11 +120,41 @@ def environment(model=None) -> dict:
     return env
 
 
+def current_names(node):
+    """A recorded policy or storage config (any part of one) as today's code spells it: each ``_target_``
+    after the package move (``MOVED``) and each field renamed since, its value mapped too (``RENAMED``)."""
+    if isinstance(node, list):
+        return [current_names(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key == "_target_" and isinstance(value, str) and value.startswith(MOVED[0]):
+            value = MOVED[1] + value.removeprefix(MOVED[0])
+        elif key in RENAMED:
+            key, values = RENAMED[key]
+            value = values.get(value, value) if isinstance(value, str) else value
+        out[key] = current_names(value)
+    return out
+
+
+def current_record(record: dict) -> dict:
+    """A record read back (resume, tables) with its policy and storage configs under today's names
+    (``current_names``): a record written before a rename compares and reads as one written after it, and
+    committed records are never rewritten."""
+    config = record.get("config")
+    if not isinstance(config, dict):
+        return record
+    fixed = {k: current_names(v) if k in ("policy", "storage") else v for k, v in config.items()}
+    return {**record, "config": fixed}
+
+
 def load_record(run_dir: Path) -> dict | None:
+    """The record in ``run_dir`` (``current_record``), or None when there is none or it is not JSON."""
     path = Path(run_dir) / RESULTS_FILE
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
+        return current_record(json.loads(path.read_text()))
     except json.JSONDecodeError:
         return None

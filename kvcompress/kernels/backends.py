@@ -13,6 +13,9 @@ that serves a plan (in the order triton, cpu, torch, sdpa, eager).
 - ``sdpa`` / ``eager``: the model's own kernels over dense key/value, whichever the model was installed
   with (``attention.set_backend``); eager is the model's own eager function (soft-capping, sinks).
 
+A compact read that names a backend (``quant.backend: cpu``) is served by that one alone
+(``Plan.asks_other``); under ``auto`` by the first that serves it.
+
 A new backend (the GPU kernels) subclasses ``executor.Backend`` and is added by ``executor.register``.
 """
 
@@ -127,7 +130,7 @@ class Torch(Backend):
     name = "torch"
 
     def missing(self, plan, call):
-        why = _plain_decode(plan, call)
+        why = plan.asks_other(self.name) or _plain_decode(plan, call)
         if why or plan.form == "latent":
             return why
         if plan.form == "dense":
@@ -135,10 +138,10 @@ class Torch(Backend):
                 return "no mask"
             return None if plan.grouped or plan.probs == "last" else "serves grouped or scored decode only"
         if plan.form == "kivi":
-            mode, cpu = plan.read.mode, call.query.device.type == "cpu"
-            if mode in ("compile", "eager") or (mode == "auto" and not cpu):
-                return None
-            return f"KIVI mode {mode!r} on {call.query.device.type} is not a tensor form"
+            # auto: not on a CPU, where the tensor forms measured slower than the dense read
+            if plan.read.backend == "auto" and call.query.device.type == "cpu":
+                return "KIVI codes on a CPU only when asked for by name (quant.backend: torch)"
+            return None
         return f"reads {plan.form} in place on a CPU only"
 
     def run(self, plan, call):
@@ -147,7 +150,8 @@ class Torch(Backend):
             return decode_attention(q, r.key, r.value, call.scaling, plan.probs == "last")
         if plan.form == "latent":
             return fused_low_rank.attend(q, call.scaling, r), None
-        return fused_quant.tensor_attention(r.mode, q, *_kivi_args(r, call.scaling)), None
+        # the tensor form picks itself: compiled from COMPILE_MIN_TOKENS quantized tokens, else eager
+        return fused_quant.tensor_attention("auto", q, *_kivi_args(r, call.scaling)), None
 
 
 def _kivi_args(r, scaling: float) -> tuple:
@@ -166,11 +170,9 @@ class Cpu(Backend):
             return f"reads KIVI codes and Quest pages only, not {plan.form}"
         if q.device.type != "cpu":
             return f"CPU tensors only, not {q.device.type}"
-        why = _plain_decode(plan, call)
+        why = plan.asks_other(self.name) or _plain_decode(plan, call)
         if why:
             return why
-        if plan.form == "kivi" and plan.read.mode not in ("auto", "kernel"):
-            return f"KIVI mode {plan.read.mode!r} asks for a tensor form"
         if plan.form == "pages" and not _in_place(plan.read.key):
             return f"float32 keys with unit stride only, not {plan.read.key.dtype}"
         kernel = self.KERNEL[plan.form]

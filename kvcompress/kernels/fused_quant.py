@@ -12,10 +12,10 @@ The sums are written as plain tensor code: ``torch.compile`` fuses unpacking, sc
 one loop over the bytes (C++/OpenMP on CPU, Triton on GPU), compiled once for every length (dynamic
 shapes). Where compile is unavailable the eager form runs the same sums through ``matmul`` (no
 broadcast temporaries); the two agree to float32 rounding. On a CPU, a hand-written kernel
-(``kvcompress.kernels``, ``fused_attention: kernel``, what ``auto`` picks there when it builds) runs the
+(``kvcompress.kernels``, ``quant.backend: cpu``, what ``auto`` picks there when it builds) runs the
 same sums in blocks of 16 tokens from the bytes (the forms' speeds: experiments/fused/README.md). Which
-form runs is the attention backends' choice (``kvcompress.kernels.backends``: ``cpu`` for the kernel,
-``torch`` for the tensor forms).
+backend runs is ``quant.backend`` and the attention backends' choice (``kvcompress.kernels.backends``:
+``cpu`` for the kernel, ``torch`` for the tensor forms, which picks its form in ``tensor_attention``).
 Liu et al., KIVI, arXiv 2402.02750.
 """
 

@@ -73,7 +73,7 @@ class Triton(Backend):
         q = call.query
         if q.device.type != "cuda" and not (q.device.type == "cpu" and _STATE["cpu"]):
             return f"CUDA tensors only, not {q.device.type} (a CPU only under the interpreter, on_cpu())"
-        why = available()
+        why = plan.asks_other(self.name) or available()
         if why:
             return why
         if not call.plain:
@@ -88,9 +88,7 @@ class Triton(Backend):
             if not (plan.grouped or plan.probs == "last"):
                 return "serves grouped or scored dense reads (the model's own kernel serves plain ones)"
             return _valid(r.mask, r.key.shape[1], q.shape[1])[1]
-        if plan.form == "kivi":
-            return None if r.mode in ("auto", "kernel") else f"KIVI mode {r.mode!r} asks for a tensor form"
-        if plan.form == "pages":
+        if plan.form in ("kivi", "pages"):
             return None
         return f"no kernel reads {plan.form}"
 

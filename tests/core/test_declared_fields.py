@@ -127,3 +127,23 @@ def test_the_newest_exact_tokens_have_one_name_and_the_old_one_is_refused_naming
             ValueError, match=r"\.residual_length was removed: use recent \(the newest tokens"
         ):
             make()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: make_policy("quant", fused_attention="kernel"),
+        lambda: make_storage({"name": "quant", "fused_attention": "off"}),
+        lambda: make_policy("low_rank", fused_attention="on"),
+        lambda: make_policy("full", storage={"name": "low_rank", "fused_attention": "on"}),
+        lambda: make_policy("block_sparse", fused_attention="off"),
+        lambda: import_target("kvcompress.selectors.BlockSparsePolicy")(fused_attention="auto"),
+    ],
+    ids=["quant", "quant storage", "low_rank", "low_rank storage", "block_sparse", "BlockSparsePolicy"],
+)
+def test_fused_attention_is_refused_naming_backend_and_its_values(make):
+    """quant, low_rank and block_sparse read a compact cache through one field, ``backend``."""
+    values = r"\(auto stays auto; quant's kernel -> cpu, compile/eager -> torch; low_rank's on -> torch; off"
+    with pytest.raises(ValueError, match=rf"^(quant|low_rank|block_sparse)\.fused_attention was removed: use "
+                       rf"backend {values} -> dense\)$"):  # fmt: skip
+        make()

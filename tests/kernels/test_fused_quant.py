@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import kernel_or_skip, make_tiny
-from helpers import Compact, Standalone
+from helpers import Compact, Standalone, stream_logits
 
 from kvcompress import build_cache, kernels
 from kvcompress.core.executor import Unserved, execute
 from kvcompress.core.plan import Call, Kivi, Plan
 from kvcompress.kernels import fused_quant
+from kvcompress.metrics.compression import attention_backends
 from kvcompress.metrics.perplexity import decode_perplexity
 from kvcompress.storage.quant import quantizer as Q
 
@@ -63,21 +64,24 @@ def test_kernel_vector_path_equals_attention_over_the_dequantized_copy(bits, gro
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _perplexity(model, ids, mode):
-    cache = build_cache("quant", model, bits=4, group_size=8, recent=8, fused_attention=mode)
+def _perplexity(model, ids, backend):
+    cache = build_cache("quant", model, bits=4, group_size=8, recent=8, backend=backend)
     calls = Compact(cache)
-    return decode_perplexity(model, ids, cache, progress=False)["perplexity"], len(calls)
+    ppl = decode_perplexity(model, ids, cache, progress=False)["perplexity"]
+    if len(calls):  # every compact read ran on the backend asked for
+        assert attention_backends(cache)[backend] == len(calls)
+    return ppl, len(calls)
 
 
 @pytest.mark.usefixtures("kernel_isa")
-@pytest.mark.parametrize("mode", ["eager", "kernel"])
-def test_perplexity_is_unchanged_by_the_fused_path(mode):
-    if mode == "kernel":
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_perplexity_is_unchanged_by_the_fused_path(backend):
+    if backend == "cpu":
         kernel_or_skip("quant_attention")
     model = make_tiny("llama")
     ids = torch.randint(2, 90, (1, 96), generator=torch.Generator().manual_seed(3))
-    dense, dense_calls = _perplexity(model, ids, "off")
-    fused, fused_calls = _perplexity(model, ids, mode)
+    dense, dense_calls = _perplexity(model, ids, "dense")
+    fused, fused_calls = _perplexity(model, ids, backend)
     assert dense_calls == 0 and fused_calls == 3 * (95 - 16)  # every step once 16 tokens are quantized
     assert abs(fused - dense) <= 1e-4 * dense
 
@@ -112,7 +116,7 @@ def test_auto_falls_back_to_eager_once_compile_fails(monkeypatch):
 
 
 def test_a_deferred_step_outside_kvcompress_attention_fails_loudly(llama, tokens):
-    cache = build_cache("quant", llama, bits=4, group_size=4, recent=4, fused_attention="eager")
+    cache = build_cache("quant", llama, bits=4, group_size=4, recent=4, backend="torch")
     llama(tokens[:, :20], cache=cache, use_cache=True)
     llama.set_attn_implementation("sdpa")  # attention that does not read the store
     logits = llama(tokens[:, 20:21], cache=cache, use_cache=True).logits
@@ -126,18 +130,18 @@ def test_unsupported_axes_read_the_dense_copy(llama, tokens):
     assert not cache.layers[0].store.attends_codes() and logits.isfinite().all()
 
 
-@pytest.mark.parametrize("mode", ["kernel", "compile", "eager"])
-def test_asking_for_fused_attention_on_a_layout_it_cannot_read_is_refused(llama, mode):
-    with pytest.raises(ValueError, match=rf"quant.fused_attention='{mode}' reads KIVI's layout only"):
-        build_cache("quant", llama, bits=4, group_size=4, key_axis="token", fused_attention=mode)
+@pytest.mark.parametrize("backend", ["cpu", "torch", "triton"])
+def test_naming_a_backend_on_a_layout_it_cannot_read_is_refused(llama, backend):
+    with pytest.raises(ValueError, match=rf"quant.backend='{backend}' reads KIVI's layout only"):
+        build_cache("quant", llama, bits=4, group_size=4, key_axis="token", backend=backend)
 
 
-def test_kernel_mode_without_a_build_is_refused_naming_each_backend(monkeypatch):
+def test_the_cpu_backend_without_a_build_is_refused_naming_each_backend(monkeypatch):
     query, kq, vq, k_res, v_res = quantized_attention_case(4, 8)
     monkeypatch.setattr(kernels, "load", lambda *a: None)
     monkeypatch.setattr(kernels, "why", lambda *a: "no compiler")
-    plan = Plan(Kivi(kq, vq, k_res, v_res, 4, 8, "kernel"))
-    why = "cpu: the C\\+\\+ kernel quant_attention did not build: no compiler.*torch: "
+    plan = Plan(Kivi(kq, vq, k_res, v_res, 4, 8, "cpu"))
+    why = "backend 'cpu' asked for.*cpu: the C\\+\\+ kernel quant_attention did not build: no compiler.*torch"
     with pytest.raises(Unserved, match=why):
         execute(plan, Call(Standalone(), query, 0.25, {}, "sdpa"))
     # auto without the kernel reads the dense copy on a CPU (the tensor forms are slower there)
@@ -148,3 +152,55 @@ def test_kernel_mode_without_a_build_is_refused_naming_each_backend(monkeypatch)
         llama(ids[:, t : t + 1], cache=cache, use_cache=True)
     assert all(layer.store.attends_codes() for layer in cache.layers)  # it offered its codes
     assert not Compact(cache) and all(set(layer.backends_ran) == {"sdpa"} for layer in cache.layers)
+
+
+def _reads(cache) -> dict[str, int]:
+    """Layer-steps per read form (each layer's ``attention_reads`` in ``cache.stats()``), summed."""
+    total = {}
+    for layer in cache.stats():
+        for form, n in layer["attention_reads"].items():
+            total[form] = total.get(form, 0) + n
+    return total
+
+
+def test_the_cpu_backend_reads_the_codes_where_the_kernel_builds(llama, tokens):
+    kernel_or_skip("quant_attention")
+    cache = build_cache("quant", llama, bits=4, group_size=4, recent=4, backend="cpu")
+    stream_logits(llama, tokens[:, :24], cache, chunk=1)
+    ran, reads = attention_backends(cache), _reads(cache)
+    assert set(ran) == {"cpu", "sdpa"} and ran["cpu"] == reads["kivi"] > 0  # the first steps: nothing coded
+    assert ran["sdpa"] == reads["dense"]
+
+
+def test_the_cpu_backend_is_refused_by_name_where_the_kernel_is_not_served(llama, tokens, monkeypatch):
+    """No dense copy instead, as the C++ kernel asked for by name always was; ``auto`` reads dense there."""
+    monkeypatch.setattr(kernels, "load", lambda *a: None)
+    monkeypatch.setattr(kernels, "why", lambda *a: "no compiler")
+    cache = build_cache("quant", llama, bits=4, group_size=4, recent=4, backend="cpu")
+    why = r"kivi read \(backend 'cpu' asked for, on cpu.*cpu: the C\+\+ kernel quant_attention did not build"
+    with pytest.raises(Unserved, match=why):
+        stream_logits(llama, tokens[:, :24], cache, chunk=1)
+
+
+def test_the_dense_backend_reads_a_dequantized_copy_for_the_models_attention(llama, tokens):
+    cache = build_cache("quant", llama, bits=4, group_size=4, recent=4, backend="dense")
+    stream_logits(llama, tokens[:, :24], cache, chunk=1)
+    assert _reads(cache) == {"dense": 24 * len(cache.layers)}
+    assert attention_backends(cache) == {"sdpa": 24 * len(cache.layers)}
+    assert not any(layer.store.attends_codes() for layer in cache.layers)
+
+
+def test_the_triton_backend_by_name_reads_the_codes_where_it_serves_them_and_refuses_elsewhere(llama, tokens):
+    """On a CPU the Triton kernels serve only under the interpreter (``on_cpu``): there they read every
+    coded step; outside it the step is refused by name, never read dense instead."""
+    pytest.importorskip("triton")
+    from kvcompress.kernels import triton_backend
+
+    with triton_backend.on_cpu():
+        cache = build_cache("quant", llama, bits=4, group_size=4, recent=4, backend="triton")
+        stream_logits(llama, tokens[:, :16], cache, chunk=1)
+    ran, reads = attention_backends(cache), _reads(cache)
+    assert set(ran) == {"triton", "sdpa"} and ran["triton"] == reads["kivi"] > 0
+    cache = build_cache("quant", llama, bits=4, group_size=4, recent=4, backend="triton")
+    with pytest.raises(Unserved, match=r"backend 'triton' asked for.*triton: CUDA tensors only"):
+        stream_logits(llama, tokens[:, :16], cache, chunk=1)

@@ -10,8 +10,6 @@ from kvcompress.harness.report import _natural_key, flatten, load_records, markd
 from kvcompress.metrics.stats import interval_fields, wilson
 
 RECORD_COLUMNS = "policy,storage,settings,perplexity,cache_ratio,accuracy"
-RENAMED = {"residual_length": "recent"}  # config fields renamed since committed records were written
-MOVED = ("kvcompress.policies.", "kvcompress.selectors.")  # the package of a ``_target_`` before the move
 
 
 def _defaults(group: str, name: str | None) -> dict:
@@ -20,13 +18,13 @@ def _defaults(group: str, name: str | None) -> dict:
 
 
 def settings(record: dict) -> str:
-    """The policy and storage fields that differ from their defaults (``budget=512 bits=4``)."""
+    """The policy and storage fields that differ from their defaults (``budget=512 bits=4``), of a record
+    read by ``load_records`` (under today's names: ``results.current_record``)."""
     config = record.get("config", {})
     policy, storage = dict(config.get("policy") or {}), dict(config.get("storage") or {})
     out = []
     for fields, defaults in ((policy, _defaults("policy", record.get("policy_name"))),
                              (storage, _defaults("storage", record.get("storage")))):  # fmt: skip
-        fields = _current_names(fields)
         out += [f"{k}={v}" for k, v in fields.items() if k != "_target_" and not _same(v, defaults.get(k, v))]
     return " ".join(out)
 
@@ -37,22 +35,6 @@ def _same(value, default) -> bool:
     if isinstance(value, dict) and isinstance(default, dict):
         return all(_same(v, default.get(k, v)) for k, v in value.items())
     return value == default
-
-
-def _current_names(node):
-    """A recorded config under today's names: every ``_target_`` (a record written before the package move
-    names ``kvcompress.policies...``) and every field renamed since (``RENAMED``)."""
-    if isinstance(node, dict):
-        return {RENAMED.get(k, k): _target(v) if k == "_target_" and isinstance(v, str) else _current_names(v)
-                for k, v in node.items()}  # fmt: skip
-    if isinstance(node, list):
-        return [_current_names(v) for v in node]
-    return node
-
-
-def _target(name: str) -> str:
-    old, new = MOVED
-    return new + name.removeprefix(old) if name.startswith(old) else name
 
 
 def row(record: dict) -> dict:

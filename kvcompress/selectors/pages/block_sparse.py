@@ -16,7 +16,7 @@ from kvcompress.core.fields import Choice, Float, Int
 from kvcompress.core.policy import Policy, Shape
 from kvcompress.selectors.pages.block_sparse_layer import BlockSparseLayer
 
-FUSED_MODES = ("auto", "off")  # fused_attention: read the chosen pages in place where a backend can
+BACKENDS = ("auto", "dense", "cpu", "triton")  # backend: which attention backend reads the pages in place
 
 
 @dataclass
@@ -33,10 +33,11 @@ class BlockSparsePolicy(Policy):
         top_k_blocks: pages read per decode step (sink and newest pages included).
         read_ratio: if set, read ``ceil(read_ratio * pages)`` pages per step instead of ``top_k_blocks``.
         sink_blocks: first pages of real tokens that are always read.
-        fused_attention: ``auto`` reads the chosen pages where they lie (C++ kernel, float32 CPU caches
-            without padding; ``kvcompress.kernels.fused_pages``), elsewhere gathers them for the model's
-            attention;
-            ``off`` always gathers.
+        backend: which attention backend reads the chosen pages where they lie, in caches without padding.
+            ``auto``: the first that serves them (``cpu``: the C++ kernel of
+            ``kvcompress.kernels.fused_pages``, float32 CPU caches; ``triton``: CUDA), elsewhere the pages
+            are gathered for the model's attention. ``cpu`` or ``triton``: that backend only, a step it
+            cannot serve is refused by name. ``dense``: always gather.
     """
 
     layer_class = BlockSparseLayer
@@ -50,7 +51,7 @@ class BlockSparsePolicy(Policy):
     top_k_blocks: int = Int(16, low=1)
     read_ratio: float | None = Float(None, 0.0, 1.0, low_open=True, null=True)
     sink_blocks: int = Int(1, low=0)
-    fused_attention: str = Choice("auto", FUSED_MODES)
+    backend: str = Choice("auto", BACKENDS)
 
     def __post_init__(self):
         super().__post_init__()

@@ -119,7 +119,7 @@ class BlockSparseLayer(PolicyLayer):
         pages = self.select(query[:, :, 0])
         if self.valid is None and self.window is None:  # every read token is real: no mask at all
             self._count_unpadded(pages, key)
-            if self.read_pos is None and self.policy.fused_attention != "off":
+            if self.read_pos is None and self.policy.backend != "dense":
                 self.deferred, self._reads = True, (pages, key, value)  # read in place if a backend can
                 return key, value, None
             return self._attend_unpadded(pages, key, value)
@@ -137,7 +137,7 @@ class BlockSparseLayer(PolicyLayer):
         if self.valid is None:  # no padding: every page holds tokens, the newest is the last one
             width = self.policy.pages_to_read_count(self.page_min.shape[2])
             pages = None
-            if self.policy.fused_attention != "off":  # one kernel call where one is lent (C++, CPU)
+            if self.policy.backend != "dense":  # one kernel call where one is lent (C++, CPU)
                 bounds = self.page_min, self.page_max, self.policy.sink_blocks, width
                 pages = kernel_slots.first("select_pages", query, *bounds)
             return self._select_unpadded(self.page_bounds(query), width) if pages is None else pages
@@ -194,8 +194,8 @@ class BlockSparseLayer(PolicyLayer):
 
     def compact_read(self) -> Pages:
         """The chosen pages, to be read where they lie (``kvcompress.kernels.fused_pages`` on a CPU)."""
-        pages, key, value = self._reads
-        return Pages(key, value, pages.contiguous(), self.policy.block_size, key.shape[2])
+        (pages, key, value), p = self._reads, self.policy
+        return Pages(key, value, pages.contiguous(), p.block_size, key.shape[2], p.backend)
 
     def compact_done(self) -> None:
         self._reads, self.deferred = None, False

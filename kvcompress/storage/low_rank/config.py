@@ -80,11 +80,11 @@ class LowRankChecks:
             self.values_storage.check(spec)
 
     def refuses(self, selector, kinds=("keys", "values")) -> str | None:
-        if self.fused_attention == "on" and selector.selector != "full":
+        if self.backend == "torch" and selector.selector != "full":
             return (
-                f"low_rank.fused_attention='on' attends in the latent space only under the full selector "
+                f"low_rank.backend='torch' attends in the latent space only under the full selector "
                 f"(not {selector.selector}, which narrows or scores what attention reads); use "
-                "fused_attention='auto' or 'off'"
+                "backend='auto' or 'dense'"
             )
         shared = self.basis == "joint" or (self.basis == "group" and self.group_size > 1)
         if shared and selector.evicts != "never" and not selector.heads_share_tokens:

@@ -25,7 +25,7 @@ from kvcompress.storage.split import SplitStore
 SOURCES = {"pre_rope": "keys_pre", "post_rope": "keys_post"}
 QUERY_WEIGHTS = {"pre_rope": "queries_pre", "post_rope": "queries_post"}
 OBJECTIVES = ("logits", "keys")
-FUSED_MODES = ("auto", "on", "off")  # fused_attention: attend in the latent space
+BACKENDS = ("auto", "dense", "torch")  # backend: which attention backend reads the latents (dense: none)
 
 
 @dataclass
@@ -57,13 +57,14 @@ class LowRankStorage(LowRankChecks, Storage):
         calibration_dir: where calibrations are saved (default: ``<kvcompress cache>/calibration``).
         tokenizer: for the calibration text: a tokenizer, a model id, a folder or a ``.gguf`` path (null: the
             model's own, from ``model.name_or_path``).
-        fused_attention: a decode query attends in the latent space (``kvcompress.kernels.fused_low_rank``):
-        values
-            always, keys too unless pre-RoPE (those are rebuilt, on a CPU inside a C++ kernel that rotates
-            and dots them in registers, with no (T, D) copy). ``auto``/``on``: wherever the step allows
-            (one unpadded decode query on a full-attention layer under the ``full`` selector, plain softmax
-            attention), reconstructing otherwise (the same numbers); ``on`` refuses a selector that never
-            allows it. ``off``: reconstruct keys and values for the model's own attention.
+        backend: which attention backend reads the latents at decode: values always, keys too unless
+            pre-RoPE (those are rebuilt, on a CPU inside a C++ kernel that rotates and dots them in registers,
+            with no (T, D) copy; ``kvcompress.kernels.fused_low_rank``). The latent read is offered on one
+            unpadded decode query on a full-attention layer under the ``full`` selector; elsewhere keys and
+            values are reconstructed (the same numbers). ``auto``: the first backend that serves it
+            (``torch``), else the reconstruction. ``torch``: that backend only; a selector that never allows
+            the latent read is refused, and so is a step it cannot serve (not plain softmax attention).
+            ``dense``: always reconstruct keys and values for the model's own attention.
     """
 
     name = "low_rank"
@@ -116,7 +117,7 @@ class LowRankStorage(LowRankChecks, Storage):
     calibration_tokens: int = Int(2048, low=1)
     calibration_dir: str | None = None
     tokenizer: object = None
-    fused_attention: str = Choice("auto", FUSED_MODES)
+    backend: str = Choice("auto", BACKENDS)
 
     def prepare(self, model) -> None:
         """Calibrate on ``model`` (or reload a saved calibration of the same model and text); and its RoPE."""

@@ -89,7 +89,7 @@ class LowRankStore(ResidualStore):
 
     def attends_codes(self) -> bool:
         """Whether a decode query attends in the latent space (values always, keys unless pre-RoPE)."""
-        return self.config.fused_attention != "off" and "keys" in self.kinds and self.encoded_length > 0
+        return self.config.backend != "dense" and "keys" in self.kinds and self.encoded_length > 0
 
     def compact_read(self) -> Latent:
         """The latents and residual windows of keys and values, for a backend that attends from them."""
@@ -103,7 +103,7 @@ class LowRankStore(ResidualStore):
         positions = None if rope is None else self._positions(0, self.encoded_length)
         return {"keys": self.encoded["keys"], "key_res": self.residual["keys"],
                 "key_decoder": self.decoder["keys"], "positions": positions, "rope": rope,
-                "seen": self.appended, "counts": self.counts}  # fmt: skip
+                "seen": self.appended, "counts": self.counts, "backend": self.config.backend}  # fmt: skip
 
     def flush_count(self, residual: int) -> int:
         return residual - self.config.recent

@@ -19,8 +19,9 @@ from kvcompress.storage.quant import quantizer
 from kvcompress.storage.quant.quantizer import AXES, BITS
 from kvcompress.storage.residual import KINDS, ResidualStore
 
-# fused_attention: how a decode query reads the codes (the attention backends choose the form)
-FUSED_MODES = ("auto", "kernel", "compile", "eager", "off")
+# backend: which attention backend reads the codes at decode (``auto``: the first that serves them; ``dense``:
+# none, a dequantized copy for the model's own attention)
+BACKENDS = ("auto", "dense", "cpu", "torch", "triton")
 SCALE_DTYPES = {"auto": None, "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -53,13 +54,14 @@ class QuantStore(ResidualStore):
     def attends_codes(self) -> bool:
         """Whether a decode query can attend straight from the codes (``kvcompress.kernels.fused_quant``)."""
         c = self.config
-        off = c.fused_attention == "off"
-        return not off and self.encoded_length > 0 and len(self.kinds) == 2 and c.codes_layout_fits(self.spec)
+        if c.backend == "dense" or self.encoded_length == 0:
+            return False
+        return len(self.kinds) == 2 and c.codes_layout_fits(self.spec)
 
     def compact_read(self) -> Kivi:
         """The codes and the residual window, for a backend that attends from them."""
         c = self.config
-        return Kivi(self.qkeys, self.qvalues, self.keys, self.values, c.bits, c.group_size, c.fused_attention)
+        return Kivi(self.qkeys, self.qvalues, self.keys, self.values, c.bits, c.group_size, c.backend)
 
     def flush_count(self, residual: int) -> int:
         g = self.config.group_size
@@ -135,13 +137,25 @@ class QuantStorage(Storage):
     The newest ``recent`` (R) tokens stay in the model dtype; older ones are quantized G at a time
     once a whole group has left that window (groups aligned to the first token), so between R and R + G - 1
     tokens are full precision. ``"channel"`` groups are G tokens of one channel (KIVI's keys), ``"token"``
-    groups G channels of one token (G must divide head_dim). ``scale_dtype`` ``"auto"`` is the model dtype
-    for 16-bit models and float16 for float32 ones. ``fused_attention``: a decode query reads the codes
-    directly (``kvcompress.kernels.fused_quant``; ``"auto"``: on a CPU the C++ kernel of
-    ``kvcompress.kernels``
-    where it builds, else ``"off"`` (the tensor forms measured slower than dequantize-then-SDPA there,
-    experiments/fused); on a GPU, compiled where it can. ``"kernel"`` must use the C++ kernel, ``"eager"``
-    never compiles, ``"compile"`` must, ``"off"`` dequantizes a copy for the model's own attention).
+    groups G channels of one token (G must divide head_dim).
+
+    Args:
+        bits: bits per code, packed one (8), two (4) or four (2) codes a byte.
+        group_size: elements per (scale, zero) pair; must divide head_dim on the ``token`` axis.
+        recent: newest tokens kept in the model's dtype (R..R+G-1 of them).
+        key_axis: ``channel`` (KIVI's keys) or ``token``; eviction at every decode step (h2o, tova,
+            sliding_window...) needs ``token``.
+        value_axis: ``token`` (KIVI's values) or ``channel``.
+        scale_dtype: ``auto`` (the model dtype if 16-bit, else float16), ``float16``, ``bfloat16``,
+            ``float32``.
+        backend: which attention backend reads the codes at decode, with no dequantized copy
+            (``kvcompress.kernels.backends``; KIVI's layout only: ``key_axis=channel``, ``value_axis=token``).
+            ``auto``: the first that serves them (on a GPU ``triton``, else ``torch``; on a CPU ``cpu``
+            where the C++ kernel builds, else the dense read: the tensor forms measured slower there,
+            experiments/fused). ``cpu``: the C++ kernel (CPU); ``torch``: the tensor form
+            (``kvcompress.kernels.fused_quant``, compiled from ``COMPILE_MIN_TOKENS`` quantized tokens, else
+            eager); ``triton``: the Triton kernel (CUDA). A named backend that cannot read a step's codes
+            refuses it by name. ``dense``: dequantize a copy for the model's own attention.
     """
 
     name = "quant"
@@ -165,7 +179,7 @@ class QuantStorage(Storage):
     key_axis: str = Choice("channel", AXES)
     value_axis: str = Choice("token", AXES)
     scale_dtype: str = Choice("auto", tuple(SCALE_DTYPES))
-    fused_attention: str = Choice("auto", FUSED_MODES)
+    backend: str = Choice("auto", BACKENDS)
 
     def check(self, spec: ModelSpec) -> None:
         if "token" in (self.key_axis, self.value_axis) and spec.head_dim % self.group_size:
@@ -175,12 +189,12 @@ class QuantStorage(Storage):
             )
         if spec.head_dim % (8 // self.bits):
             raise ValueError(f"quant.bits={self.bits}: head_dim={spec.head_dim} cannot be packed into bytes")
-        if self.fused_attention in ("kernel", "compile", "eager") and not self.codes_layout_fits(spec):
+        if self.backend not in ("auto", "dense") and not self.codes_layout_fits(spec):
             raise ValueError(
-                f"quant.fused_attention={self.fused_attention!r} reads KIVI's layout only: "
+                f"quant.backend={self.backend!r} reads KIVI's layout only: "
                 f"key_axis='channel', value_axis='token' and a group_size that divides or is a multiple of "
                 f"head_dim * bits / 8 = {spec.head_dim * self.bits // 8}; "
-                "use fused_attention='auto' or 'off' for this layout"
+                "use backend='auto' or 'dense' for this layout"
             )
 
     def codes_layout_fits(self, spec: ModelSpec) -> bool:

@@ -6,13 +6,14 @@ import math
 
 import pytest
 import torch
-from conftest import kernel_or_skip
+from conftest import kernel_or_skip, make_tiny
 from helpers import Standalone, stream_logits
 from transformers import DynamicCache
 
 from kvcompress import build_cache
-from kvcompress.core.executor import execute
+from kvcompress.core.executor import Unserved, execute
 from kvcompress.core.plan import Call
+from kvcompress.metrics.compression import attention_backends
 from kvcompress.metrics.memory import read_summary
 from kvcompress.selectors import BlockSparsePolicy, ModelSpec
 
@@ -88,7 +89,7 @@ def test_selection_takes_best_pages_plus_sink_and_newest():
 
 
 def test_attend_reads_only_selected_pages_and_counts_bytes():
-    policy = BlockSparsePolicy(block_size=4, top_k_blocks=3, sink_blocks=1, fused_attention="off")
+    policy = BlockSparsePolicy(block_size=4, top_k_blocks=3, sink_blocks=1, backend="dense")
     layer = policy.layer(0, SPEC)
     keys = torch.randn(1, SPEC.num_kv_heads, 30, SPEC.head_dim)
     k_all, v_all = layer.update(keys, keys * 2)
@@ -113,8 +114,8 @@ def test_attend_reads_only_selected_pages_and_counts_bytes():
 def test_pages_read_in_place_equal_attention_over_the_gathered_pages(n_tokens, block_size):
     kernel_or_skip("page_attention")
     out = {}
-    for mode in ("auto", "off"):
-        policy = BlockSparsePolicy(block_size=block_size, top_k_blocks=3, fused_attention=mode)
+    for mode in ("auto", "dense"):
+        policy = BlockSparsePolicy(block_size=block_size, top_k_blocks=3, backend=mode)
         layer = policy.layer(0, SPEC)
         g = torch.Generator().manual_seed(n_tokens)
         keys = torch.randn(1, SPEC.num_kv_heads, n_tokens, SPEC.head_dim, generator=g)
@@ -133,8 +134,8 @@ def test_pages_read_in_place_equal_attention_over_the_gathered_pages(n_tokens, b
             ref = torch.nn.functional.scaled_dot_product_attention(query, k, v, scale=0.3, enable_gqa=True)
             out[mode] = ref[0, :, 0]
         out[mode + "_bytes"] = layer.stats()["kv_bytes_read"]
-    torch.testing.assert_close(out["auto"], out["off"], atol=1e-6, rtol=1e-5)
-    assert out["auto_bytes"] == out["off_bytes"]
+    torch.testing.assert_close(out["auto"], out["dense"], atol=1e-6, rtol=1e-5)
+    assert out["auto_bytes"] == out["dense_bytes"]
 
 
 @pytest.mark.usefixtures("kernel_isa")
@@ -169,12 +170,24 @@ def test_decode_with_pages_read_in_place_keeps_the_logits(llama, tokens, monkeyp
     real = fused_pages.attend
     monkeypatch.setattr(fused_pages, "attend", lambda *a: calls.append(1) or real(*a))
     logits = {}
-    for mode in ("auto", "off"):
-        cache = build_cache("block_sparse", llama, block_size=4, top_k_blocks=3, fused_attention=mode)
+    for mode in ("auto", "dense", "cpu"):
+        cache = build_cache("block_sparse", llama, block_size=4, top_k_blocks=3, backend=mode)
         logits[mode] = stream_logits(llama, tokens, cache, chunk=1)
-        assert read_summary(cache.stats())["in_place_fraction"] == (1.0 if mode == "auto" else 0.0)
-    assert len(calls) == 48 * llama.config.num_hidden_layers  # every one-token step reads pages in place
-    torch.testing.assert_close(logits["auto"], logits["off"], atol=1e-5, rtol=1e-5)
+        assert read_summary(cache.stats())["in_place_fraction"] == (0.0 if mode == "dense" else 1.0)
+        steps = 48 * llama.config.num_hidden_layers
+        assert attention_backends(cache) == ({"sdpa": steps} if mode == "dense" else {"cpu": steps})
+    assert len(calls) == 2 * 48 * llama.config.num_hidden_layers  # every one-token step reads pages in place
+    torch.testing.assert_close(logits["auto"], logits["dense"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits["cpu"], logits["auto"], atol=0, rtol=0)
+
+
+def test_a_named_backend_that_cannot_read_the_pages_is_refused_by_name(tokens):
+    """``cpu`` reads float32 keys only; ``auto`` gathers the pages of a bfloat16 cache instead."""
+    model = make_tiny("llama", dtype=torch.bfloat16)
+    stream_logits(model, tokens[:, :12], build_cache("block_sparse", model, block_size=4, top_k_blocks=2), 1)
+    cache = build_cache("block_sparse", model, block_size=4, top_k_blocks=2, backend="cpu")
+    with pytest.raises(Unserved, match=r"pages read \(backend 'cpu' asked for.*cpu: float32 keys"):
+        stream_logits(model, tokens[:, :12], cache, chunk=1)
 
 
 def _expected_reads(n_tokens, block_size, pages_to_read):

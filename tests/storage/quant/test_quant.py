@@ -30,8 +30,8 @@ def spy_keys(layer):
 @pytest.mark.parametrize("residual,group", [(5, 4), (0, 4), (8, 8), (3, 1)])
 def test_residual_boundary_and_group_alignment_are_exact(llama, tokens, residual, group):
     cache = build_cache(
-        "quant", llama, bits=4, group_size=group, recent=residual, fused_attention="off"
-    )  # "off": update returns the dense copy this test inspects
+        "quant", llama, bits=4, group_size=group, recent=residual, backend="dense"
+    )  # "dense": update returns the dense copy this test inspects
     layer = cache.layers[0]
     received, returned = spy_keys(layer)
     for t in range(1, tokens.shape[1] + 1):
