@@ -12,8 +12,8 @@ the question and the answer prefix?
 With ``--values N``: the long-value study (``retention_values``): N needles of 5-8 digits and UUID-like
 strings, every policy at each ``--ratios`` in both question modes; per case the exact match and what each
 layer and KV head read of the answer's own tokens (a tiered cache: its fetched pages). Writes the record
-``--record`` (resumable) and its tables next to it (``.md``); ``--table RECORD [BEFORE]`` prints them again
-(and the paired differences from BEFORE, on the same needles). ``--span S`` or ``--chunk N`` run the
+``--record`` (resumable) and its tables next to it (``.md``); ``--table RECORD [BEFORE]`` makes them again
+(and prints the paired differences from BEFORE, on the same needles). ``--span S`` or ``--chunk N`` run the
 score-based selectors with runs kept together (``span``, or ``unit: chunk``).
 
     .venv/bin/python experiments/leaderboard/retention.py --values 10 full snapkv tiered
@@ -109,11 +109,7 @@ def long_values(model, tok, args) -> None:
         {"unit": "chunk", "chunk_size": args.chunk} if args.chunk else {}
     )
     record = rv.run(model, tok, cases, args.policies, args.ratios, args.record, keep)
-    tables = "\n\n".join([rv.table(record), rv.reach_table(record), rv.divergence_table(record)])
-    args.record.with_suffix(".md").write_text(
-        f"<!-- made from {args.record.name} by retention.py -->\n{tables}\n"
-    )
-    print(tables)
+    print(rv.write_tables(args.record, record))
 
 
 def main() -> None:
@@ -129,14 +125,13 @@ def main() -> None:
     ap.add_argument("--span", type=int, default=1, help="the score-based selectors' span (1: off)")
     ap.add_argument("--chunk", type=int, default=0, help="unit: chunk with this chunk_size (0: off)")
     ap.add_argument("--record", type=Path, default=RECORD)
-    ap.add_argument("--table", type=Path, nargs="+", help="print a record's tables [and pairs with a BEFORE]")
+    ap.add_argument("--table", type=Path, nargs="+", help="a record's tables again [and pairs with a BEFORE]")
     args = ap.parse_args()
     if args.table:
         import retention_values as rv
 
         after, *before = [json.loads(p.read_text()) for p in args.table]
-        tables = [rv.table(after), rv.reach_table(after), rv.divergence_table(after)]
-        print(*tables, *[rv.pairs(b, after) for b in before], sep="\n\n")
+        print(rv.write_tables(args.table[0], after), *[rv.pairs(b, after) for b in before], sep="\n\n")
         return
     torch.set_num_threads(1)
     model, tok = load_model()
