@@ -1,6 +1,6 @@
 """One decode query's attention on the embedded model's shape (9 query heads, 3 KV heads, head_dim 64):
 torch's SDPA (what ``full`` and ``sliding_window`` use) against kvcompress's grouped decode attention
-(``fused.decode_attention``, what the score-based policies use), medians of 30 repeats of 20 calls.
+(``torch_attention.decode_attention``, what the score-based policies use), medians of 30 repeats of 20 calls.
 Usage: ``OMP_NUM_THREADS=1 python experiments/fused/attention_micro.py``"""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from kvcompress.core.fused import decode_attention
+from kvcompress.core.torch_attention import decode_attention
 
 
 def median_us(fn, repeats: int = 30, calls: int = 20) -> float:

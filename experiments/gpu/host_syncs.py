@@ -5,9 +5,11 @@ padding check and the model's own mask). The GPU script's random Llama and cells
 ``smoke.cells``: 4 layers, head_dim 16 here), each with its classes' ``TEST_PARAMS`` so that it really
 compresses, and for a selector sized by a ratio too, once more with the ratio (``smoke.budget_paths``: the
 ratio path sizes each row of a padded batch from its own real tokens); 2 warm-up steps, then 6 counted
-steps.
+steps. ``--embedded`` counts once on the embedded model instead (30 layers, head_dim 64; every selector on
+both budget paths over the storages named by ``--storages``, dense by default).
 
     python experiments/gpu/host_syncs.py --out experiments/gpu/runs/host_syncs_cpu.json
+    python experiments/gpu/host_syncs.py --embedded --out experiments/gpu/runs/host_syncs_embedded.json
 """
 
 from __future__ import annotations
@@ -85,14 +87,25 @@ def table(record: dict) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--embedded", action="store_true", help="the embedded model, not the random Llama")
+    parser.add_argument("--storages", default="dense", help="with --embedded: storage variants (comma list)")
     args = parser.parse_args(argv)
-    model = model_of("cpu", torch.float32, head_dim=16, layers=4)
-    record = {"counted_steps": COUNTED, "cells": []}
-    for selector, storage, params in cells():
+    torch.set_num_threads(1)
+    if args.embedded:
+        from kvcompress import load_model
+
+        model = load_model()[0]
+        wanted = args.storages.split(",")
+        chosen = [c for c in cells() if c[1] in wanted]
+    else:
+        model, chosen = model_of("cpu", torch.float32, head_dim=16, layers=4), cells()
+    record = {"counted_steps": COUNTED, "model": model.config.model_type, "cells": []}
+    for selector, storage, params in chosen:
         for path in budget_paths(selector):
             one, two = count(model, selector, params, 1, path), count(model, selector, params, 2, path)
             cell = {"selector": selector, "path": path, "storage": storage, "batch_1": one, "batch_2": two}
             record["cells"].append(cell)
+            print(selector, path, storage, one.get("per_layer_step"), two.get("per_layer_step"), flush=True)
     print(table(record))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,16 +5,24 @@ eviction, per-layer budgets or per-head lengths, that mask is wrong, so a regist
 ``"kvcompress"`` asks each policy layer for the plan of its step (what to read, masked from the layer's own
 state), runs it with a backend (``kvcompress.core.executor``) and hands the layer what attention gave. The
 matching mask function must be registered too: without it transformers silently drops the causal mask.
+
+Each forward's own state (``ForwardState``): transformers hands the model's keyword arguments down to every
+attention module, which passes them to ``cache.update(..., kwargs=kwargs)`` and then to the attention
+function. ``install()`` adds a forward pre-hook that puts a fresh ``ForwardState`` into those arguments for
+every forward whose cache is a kvcompress cache, so the layers and the attention function read this
+forward's own state: no thread-local or module global carries a forward's padding or current layer, and
+nothing survives into the next forward (a caller's own mask, another model in another thread).
 """
 
 from __future__ import annotations
 
 import contextlib
 
+import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from kvcompress.core import executor, forward_state
+from kvcompress.core import executor
 from kvcompress.core.executor import execute
 from kvcompress.core.plan import Call, Dense, Plan
 from kvcompress.core.profiling import TIMER
@@ -34,7 +42,7 @@ def backend_of(config) -> str:
 
 def kvcompress_mask(*args, attention_mask=None, config=None, **kwargs):
     """Mask function: the backend's usual mask (policy layers mask from their own state instead; the
-    forward's padding reaches them through ``forward_state``)."""
+    forward's padding reaches them through its ``ForwardState``)."""
     fn = eager_mask if getattr(config, CONFIG_KEY, DEFAULT) == "eager" else sdpa_mask
     return fn(*args, attention_mask=attention_mask, config=config, **kwargs)
 
@@ -48,10 +56,14 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     step with what attention gave (its selector's scores). Without a kvcompress layer the plan is the dense
     read of ``key``/``value``.
     """
-    state = kwargs.pop(forward_state.KEY, None)
-    layer = None if state is None else state.take(getattr(module, "layer_idx", -1))
+    state = kwargs.pop(KEY, None)
+    layer = None if state is None else state.pending.pop(getattr(module, "layer_idx", -1), None)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    call = Call(module, query, scaling, kwargs, getattr(module.config, CONFIG_KEY, DEFAULT), dropout)
+    configured = getattr(module.config, CONFIG_KEY, DEFAULT)
+    # plain softmax: no training dropout, logit soft-capping or learned sinks (``s_aux``)
+    plain = not module.training and getattr(module.config, "attn_logit_softcapping", None) is None
+    plain = plain and kwargs.get("s_aux") is None and getattr(module, "sinks", None) is None
+    call = Call(module, query, scaling, kwargs, configured, dropout, plain)
     if layer is None:
         return execute(Plan(Dense(key, value, attention_mask)), call)[0], None
     if TIMER.enabled:  # policy time: the plan and what the layer does with attention's result
@@ -76,6 +88,63 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     return out, None
 
 
+KEY = "kvcompress_forward"  # the keyword argument that carries the state through the model
+
+
+class ForwardState:
+    """One forward's padding (``attention_mask`` (B, T) with 0 for padding, or None when every token is
+    real) and the layers whose ``update`` ran and whose attention has not run yet (``pending``: the cache
+    puts a layer there when it stored, the attention function takes it out)."""
+
+    def __init__(self, attention_mask: torch.Tensor | None = None, cache=None):
+        if attention_mask is not None and (
+            not isinstance(attention_mask, torch.Tensor) or attention_mask.ndim != 2
+        ):
+            kind = (
+                tuple(attention_mask.shape)
+                if isinstance(attention_mask, torch.Tensor)
+                else type(attention_mask)
+            )
+            raise ValueError(
+                f"attention_mask {kind}: a kvcompress cache masks from each layer's own stored tokens and "
+                "takes only a 2D padding mask (B, T) with 0 for padding; a 4D or per-layer mask would be "
+                "ignored, so it is refused"
+            )
+        self.padding = attention_mask
+        self.cache = cache  # the cache this forward runs with (a layer may look at the next one)
+        self._valid: dict = {}  # (q, device) -> validity of the forward's last q tokens, computed once
+        self.pending: dict[int, object] = {}  # layer index -> the layer that stored and awaits attention
+
+    def new_token_validity(self, batch: int, q: int, device) -> torch.Tensor | None:
+        """Validity (B, q) bool of this forward's new tokens, or None when all are real (one check per
+        forward, shared by every layer)."""
+        pad = self.padding
+        if pad is None or pad.shape[0] != batch or pad.shape[-1] < q:
+            return None
+        key = (q, str(device))
+        if key not in self._valid:
+            new = pad[:, -q:].to(device=device, dtype=torch.bool)
+            self._valid[key] = None if bool(new.all()) else new
+        return self._valid[key]
+
+
+def validity(state: ForwardState | None, batch: int, q: int, device) -> torch.Tensor | None:
+    """``state.new_token_validity``; None without a state (a layer driven by hand, outside a model)."""
+    return None if state is None else state.new_token_validity(batch, q, device)
+
+
+def pre_hook(module, args, kwargs):
+    """Forward pre-hook (``with_kwargs=True``): a fresh ``ForwardState`` for a forward with a kvcompress
+    cache, built from its ``attention_mask``; an outer module's state (the causal-LM wrapper's) is kept."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if not getattr(cache, "takes_forward_state", False) or KEY in kwargs:
+        return None
+    mask = kwargs.get("attention_mask")
+    if mask is None and len(args) > 1 and isinstance(args[1], torch.Tensor):
+        mask = args[1]  # model(input_ids, attention_mask, ...) positionally
+    return args, {**kwargs, KEY: ForwardState(mask, cache)}
+
+
 def register() -> None:
     """Register the attention and mask functions (idempotent)."""
     AttentionInterface.register(NAME, kvcompress_attention)
@@ -93,7 +162,7 @@ def install(model) -> None:
         model.set_attn_implementation(NAME)
     if not getattr(model, HOOKS, None):
         modules = {id(m): m for m in (model, getattr(model, "base_model", model))}.values()
-        handles = [m.register_forward_pre_hook(forward_state.pre_hook, with_kwargs=True) for m in modules]
+        handles = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for m in modules]
         setattr(model, HOOKS, handles)
 
 

@@ -37,9 +37,12 @@ def _mode(inference: bool):
         yield
 
 
+SPARE = 128  # one spare slot per this many entries
+
+
 def headroom(n_tokens: int) -> int:
     """Spare token slots allocated with ``n_tokens`` (0 below 128 tokens: small caches stay exact)."""
-    return n_tokens // 128
+    return n_tokens // SPARE
 
 
 def _capacity(x: torch.Tensor, dim: int = 2) -> int:
@@ -78,21 +81,10 @@ class Slots:
     def _alloc(self, name: str, like: torch.Tensor, n: int, dim: int = 2) -> torch.Tensor:
         """A buffer shaped like ``like`` with ``n`` entries and their headroom along ``dim``, owned here."""
         shape = list(like.shape)
-        shape[dim] = n + headroom(n)
+        shape[dim] = n + n // SPARE  # ``headroom(n)``, here on the decode step's path
         buf = torch.empty(shape, dtype=like.dtype, device=like.device)
-        self._adopt(name, buf, dim)
+        self._owned[name] = (buf.untyped_storage().data_ptr(), dim % buf.dim(), buf.shape, buf.stride())
         return buf
-
-    def room(self, name: str, x: torch.Tensor, dim: int = 2) -> int:
-        """Free entries after ``x`` along ``dim`` in a buffer this layer owns, of which ``x`` is a leading
-        slice along ``dim`` (0 for any other tensor)."""
-        owned = self._owned.get(name)
-        if owned is None or x.untyped_storage().data_ptr() != owned[0] or x.storage_offset():
-            return 0
-        at, shape, strides = owned[1], owned[2], owned[3]
-        if dim % x.dim() != at or x.stride() != strides or x.shape[:at] != shape[:at]:
-            return 0
-        return shape[at] - x.shape[at] if x.shape[at + 1 :] == shape[at + 1 :] else 0
 
     def owns(self, name: str, x: torch.Tensor) -> bool:
         """Whether ``x`` lives in a buffer this layer allocated (so it may be written in place)."""
@@ -120,7 +112,18 @@ class Slots:
             return self.store(name, new)
         dim = dim % x.dim()
         n, q = x.shape[dim], new.shape[dim] if isinstance(new, torch.Tensor) else q
-        if self.room(name, x, dim) >= q:
+        # room: ``x`` is a leading slice along ``dim`` of the buffer recorded as ``name``, q entries free
+        owned = self._owned.get(name)
+        if (
+            owned is not None
+            and x.untyped_storage().data_ptr() == owned[0]
+            and not x.storage_offset()
+            and dim == owned[1]
+            and x.stride() == owned[3]
+            and x.shape[:dim] == owned[2][:dim]
+            and x.shape[dim + 1 :] == owned[2][dim + 1 :]
+            and owned[2][dim] - n >= q
+        ):
             out = x.as_strided((*x.shape[:dim], n + q, *x.shape[dim + 1 :]), x.stride())
         else:
             out = self._alloc(name, x, n + q, dim).narrow(dim, 0, n + q)

@@ -12,7 +12,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache
 
-from kvcompress.core import attention, forward_state, registry
+from kvcompress.core import attention, registry
 from kvcompress.core.buffers import storage_bytes
 from kvcompress.core.families import attention_layout
 from kvcompress.core.policy import ModelSpec, Policy
@@ -25,7 +25,7 @@ __all__ = ["CONF_DIR", "KVCache", "build_cache", "known_policies", "known_storag
 class KVCache(Cache):
     """A ``Cache`` of policy layers; adds ``memory_bytes()`` and ``stats()``."""
 
-    takes_forward_state = True  # install()'s hook hands each forward a fresh ForwardState (forward_state)
+    takes_forward_state = True  # install()'s hook hands each forward a fresh attention.ForwardState
 
     def __init__(self, layers, policy, model=None):
         super().__init__(layers=layers)
@@ -34,15 +34,15 @@ class KVCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer, extra = self.layers[layer_idx], kwargs.get("kwargs")
-        state = extra.get(forward_state.KEY) if isinstance(extra, dict) else None
+        state = extra.get(attention.KEY) if isinstance(extra, dict) else None
         pos = _positions(key_states, args, kwargs)
         if TIMER.enabled:
             TIMER.start()
         keys, values = layer.update(key_states, value_states, positions=pos, forward=state)
         if TIMER.enabled:
             TIMER.stop()
-        if state is not None:
-            state.stored(layer_idx, layer)
+        if state is not None:  # the attention function that follows takes it
+            state.pending[layer_idx] = layer
         return keys, values
 
     def memory_bytes(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcompress.core import forward_state
+from kvcompress.core import attention
 from kvcompress.core.masks import cat_valid
 
 
@@ -45,7 +45,7 @@ class ContextPassMode:
         nothing; ``pass_valid`` keeps the keys' validity (B, h, T + q) and the queries' (B, q) or None."""
         keys, values = self.store.read()  # (B, H_kv, T, D): what the context left, nothing appended
         b, _, q, _ = key_states.shape
-        queries = forward_state.validity(forward, b, q, key_states.device)
+        queries = attention.validity(forward, b, q, key_states.device)
         valid = cat_valid(self.valid, queries, keys.shape[-2], b, q, key_states.device)
         self._view = (keys.shape[-2] + q, valid, None)  # causal among the pass tokens, after the context
         self.pass_valid = (valid, queries)

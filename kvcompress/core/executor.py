@@ -1,8 +1,10 @@
 """Runs a layer's ``Plan`` with the first registered backend (``BACKENDS``) that serves it.
 
-A backend subclasses ``Backend`` and is added by ``register``; the package's own (``sdpa``, ``eager``,
-``torch``, and ``cpu`` for the C++ kernels) are registered by ``kvcompress.kernels.backends`` when
-``kvcompress`` is imported, a new one (the GPU kernels) the same way.
+The model's own kernels over a dense read, ``sdpa`` and ``eager`` (transformers' functions, the one place
+outside ``attention.py`` and ``cache.py`` that calls into transformers' attention), are built in, last. A
+backend subclasses ``Backend`` and is added by ``register``: the package's kernels (``torch``, ``cpu`` for
+the C++ kernels, ``triton``) by ``kvcompress.kernels.backends`` when ``kvcompress`` is imported, a new one
+(the GPU kernels) the same way.
 
 The choice is made once per plan signature (``signature``: the read's form and the backend it asks for, the
 probabilities asked for, the query's device, dtype, heads and length, the mask's kind, the model's kernel) and
@@ -12,8 +14,12 @@ plan that no backend serves gets ``None`` from ``backend_for``; ``refusal`` name
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
+from kvcompress.core import kernel_slots
+from kvcompress.core.masks import causal
 from kvcompress.core.plan import Call, Plan
 
 
@@ -32,7 +38,84 @@ class Backend:
         raise NotImplementedError
 
 
-BACKENDS: list[Backend] = []  # tried in order
+class ModelKernel(Backend):
+    """One of the model's own kernels over dense key/value: the one the model was installed with."""
+
+    def missing(self, plan, call):
+        if call.configured != self.name:
+            return f"the model was installed with {call.configured!r}"
+        return None if plan.form == "dense" else f"reads dense key/value only, not {plan.form}"
+
+
+class Sdpa(ModelKernel):
+    """``torch.nn.functional.scaled_dot_product_attention`` as transformers calls it; with ``probs: lse``,
+    each query's log-sum-exp too where a kernel lent in the ``sdpa_lse`` slot returns it, else None."""
+
+    name = "sdpa"
+
+    def run(self, plan, call):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        r = plan.read
+        if plan.probs == "lse":
+            found = kernel_slots.first("sdpa_lse", call, r.key, r.value, r.mask)
+            if found is not None:
+                return found
+        out, _ = sdpa_attention_forward(
+            call.module, call.query, r.key, r.value, r.mask, scaling=call.scaling, **call.kwargs
+        )
+        return out, None
+
+
+class Eager(ModelKernel):
+    """The model's own eager attention function (its soft-capping, sinks, dropout)."""
+
+    name = "eager"
+
+    def run(self, plan, call):
+        r, fn = plan.read, model_eager(call.module)
+        mask = additive(r.mask, call.query, r.key)
+        kw = {"scaling": call.scaling, "dropout": call.dropout, **call.kwargs}
+        out, _ = fn(call.module, call.query, r.key, r.value, mask, **kw)
+        return out, None
+
+
+def model_eager(module):
+    """The model's own eager attention (its softcapping, sinks, dropout), else ``eager_attention``."""
+    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", eager_attention)
+
+
+def eager_attention(module, query, key, value, mask, scaling, **kwargs):
+    """Reference attention: softmax in float32, as the models' own eager path. Shapes (B, H, q, D)."""
+    n_rep = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(n_rep, 1), value.repeat_interleave(n_rep, 1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, q, T)
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    elif mask is not None:
+        scores = scores + mask
+    elif query.shape[2] > 1:
+        allowed = causal(query.shape[2], key.shape[2], query.device)  # (q, T)
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+
+def additive(mask: torch.Tensor | None, query, key) -> torch.Tensor | None:
+    """The additive float mask eager attention functions add to their logits: from a boolean mask, or the
+    plain causal one when the mask is None (the models' eager functions never add causality themselves)."""
+    q, t = query.shape[2], key.shape[2]
+    if mask is None and q == 1:
+        return None
+    if mask is None:
+        mask = causal(q, t, query.device)[None, None]
+    if mask.dtype != torch.bool:
+        return mask
+    zeros = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device)
+    return zeros.masked_fill_(~mask, torch.finfo(query.dtype).min)
+
+
+BACKENDS: list[Backend] = [Sdpa(), Eager()]  # tried in order; registered ones go before these
 _CHOSEN: dict[tuple, Backend | None] = {}  # signature -> the backend that serves it (None: none does)
 
 

@@ -1,20 +1,23 @@
 """Kernels that selectors and storage use outside attention, lent to them by ``kvcompress.kernels.backends``.
 
 Selectors and storage never import ``kvcompress.kernels`` (DESIGN: kernels are called by backends only), yet
+the model's own SDPA (``executor.Sdpa``, in core) can return each query's log-sum-exp through one, and
 a few of their own steps have a kernel that computes the same numbers as their tensor form, only faster:
-a prefill's score window (``fused.window_scores``, Triton), Quest's page choice and turning pre-RoPE keys by
-their positions (C++). ``kvcompress.kernels.backends`` registers those here by slot when it is imported;
-a caller asks ``first(slot, ...)`` and runs its own tensor form where it gets None (nothing registered, or
-no registered kernel serves these inputs).
+a prefill's score window (``torch_attention.window_scores``, Triton), Quest's page choice and turning
+pre-RoPE keys by their positions (C++). ``kvcompress.kernels.backends`` registers those here by slot when
+it is imported; a caller asks ``first(slot, ...)`` and runs its own tensor form where it gets None (nothing
+registered, or no registered kernel serves these inputs).
 """
 
 from __future__ import annotations
 
 # slot -> f(*args) -> result, or None where the kernel does not serve the inputs:
-# window_scores: (query, key, scaling, valid) -> probabilities (``fused.window_scores``)
+# window_scores: (query, key, scaling, valid) -> probabilities (``torch_attention.window_scores``)
 # select_pages: (query (B, H, D), page_min, page_max, sinks, width) -> pages (B, H_kv, width)
 # turn_keys: (keys (B, H_kv, n, D), positions (B, h, n), cos, sin) -> turned keys float32
-SLOTS = ("window_scores", "select_pages", "turn_keys")
+# sdpa_lse: (call, key, value, mask) -> (output (B, q, H, D), log-sum-exp (B, H, q) float32): the model's SDPA
+#   with each query's softmax normaliser (``executor.Sdpa`` with ``probs: lse``)
+SLOTS = ("window_scores", "select_pages", "turn_keys", "sdpa_lse")
 _LENT: dict[str, list] = {slot: [] for slot in SLOTS}
 
 

@@ -12,14 +12,14 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvcompress.core.buffers import Slots, storage_bytes, writing
 from kvcompress.core.context_mode import ContextPassMode
-from kvcompress.core.fused import window_scores
-from kvcompress.core.layer_attention import LayerAttention
 from kvcompress.core.masks import cat_valid
+from kvcompress.core.plan import Dense, Plan
 from kvcompress.core.rollback import Rollback
 from kvcompress.core.storage import reorder_all
+from kvcompress.core.torch_attention import window_scores
 
 
-class PolicyLayer(LayerAttention, ContextPassMode, Rollback, CacheLayerMixin):
+class PolicyLayer(ContextPassMode, Rollback, CacheLayerMixin):
     """Stores every token (the ``full`` selector). Subclasses select in ``compress()`` (after the step's
     tokens are appended) or in ``observe_attention()`` (after attention, when ``wants_scores``)."""
 
@@ -43,6 +43,8 @@ class PolicyLayer(LayerAttention, ContextPassMode, Rollback, CacheLayerMixin):
     probe = None  # a fidelity probe watching this layer (``watch``), or None
     read_pos: torch.Tensor | None = None  # (B, 1 or H_kv, T) positions this step's attention reads (probed)
     probe_only_pos = False  # ``pos`` is tracked only for the probe: not the policy's bytes
+    grouped_decode = False  # a decode query attends in the grouped form of the eviction layers
+    observed_probs = "last"  # what ``observe_attention`` gets back from the backend (``plan.PROBS``)
 
     def __init__(self, policy, layer_idx: int, spec, store):
         self.is_initialized = (
@@ -83,8 +85,9 @@ class PolicyLayer(LayerAttention, ContextPassMode, Rollback, CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if self.in_context_pass:  # a reconstruction step of the context pass: nothing is stored
             return self.pass_update(key_states, value_states, forward)
-        if self.deferred:  # the last step's attention never came: end that step now
+        if self.deferred:  # the last step's attention never came: end that step now (nothing to observe)
             self.read_deferred()
+            self.end_step()
         if self.probe is not None:
             self.probe.stored(self, key_states, value_states)
         b, _, q, _ = key_states.shape
@@ -104,8 +107,9 @@ class PolicyLayer(LayerAttention, ContextPassMode, Rollback, CacheLayerMixin):
             self.tail_tokens, self.tail_evicted = 0, self.evicted
         self.tail_tokens += q
         if self.reads_as_stored and self.store.compact and q == 1 and self.valid is None and self._defers():
-            self.deferred, self._view = True, (self.stored_length(), None, None)
-            return _unread(key_states, self.stored_length()), _unread(value_states, self.stored_length())
+            total = self.stored_length()
+            self.deferred, self._view = True, (total, None, None)
+            return _unread(key_states, total), _unread(value_states, total)
         keys, values = self.store.read()
         self._view = (keys.shape[-2], self.valid, None if self.probe_only_pos else self.pos)
         if self.probe is not None:  # before compress: the positions of what this step's attention reads
@@ -118,17 +122,11 @@ class PolicyLayer(LayerAttention, ContextPassMode, Rollback, CacheLayerMixin):
 
     def _defers(self) -> bool:
         """Whether this unpadded one-query step's attention can read the store's codes: a full-attention
-        layer whose selector neither looks at the step's scores nor narrows what is read
-        (``reads_as_stored``), watched by no probe (a probe reads K/V), over a store with a compact read."""
-        simple = self.window is None and not self.wants_scores and self.probe is None
-        return simple and self.store.attends_codes()
-
-    def read_deferred(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """A deferred step's dense keys/values (B, H_kv, T, D), when its attention cannot read codes."""
-        self.deferred = False
-        keys, values = self.store.read()
-        self.end_step()  # after the read: this step's attention still sees its tokens unquantized
-        return keys, values
+        layer whose selector does not narrow what is read (``reads_as_stored``) and asks at most for the
+        decode query's probabilities, watched by no probe (a probe reads K/V), over a store with a compact
+        read."""
+        scores = not self.wants_scores or self.observed_probs == "last"
+        return self.window is None and scores and self.probe is None and self.store.attends_codes()
 
     def settle(self) -> None:
         """Carry out work a step left for the next look at the layer (an eviction its attention still read);
@@ -138,7 +136,7 @@ class PolicyLayer(LayerAttention, ContextPassMode, Rollback, CacheLayerMixin):
         """After the step's last decision: the storage compresses what waited (quantize, project); with
         ``encodes_late``, only after a one-token step (the prompt's parts stay exact while they may be
         evicted: KIVI's per-channel key groups would otherwise be quantized again at every eviction)."""
-        if not (self.encodes_late and self.step_tokens > 1):
+        if self.store.flush is not None and not (self.encodes_late and self.step_tokens > 1):
             self.store.flush(self.valid)
 
     def get_seq_length(self) -> int:
@@ -249,14 +247,34 @@ class PolicyLayer(LayerAttention, ContextPassMode, Rollback, CacheLayerMixin):
         return idx
 
     def drop_one(self, slot: torch.Tensor) -> bool:
-        """Evict token ``slot`` (B, 1 or H_kv, 1) of every row and head by moving the newest token into its
-        place (stored order not kept: only for ``order_free`` selectors). False, doing nothing, when the
-        storage cannot do it in place or padding is stored."""
-        if self.valid is not None or not self.store.drop_one(slot):
+        """Evict token ``slot`` (B, 1 or H_kv, 1) of every row and head in place, the store moving another
+        entry into the hole (``Store.evict_one``; stored order not kept: only for ``order_free`` selectors).
+        False, doing nothing, when the storage cannot do it in place or padding is stored."""
+        if self.valid is not None:
             return False
-        self.move_newest(slot, ("pos", *self.per_token))
+        src = self.store.evict_one(slot)
+        if src is None:
+            return False
+        if isinstance(src, int):  # the newest entry moved into the hole
+            self.move_newest(slot, ("pos", *self.per_token))
+        else:
+            self.move_entry(slot, src, ("pos", *self.per_token))
         self.evicted += 1
         return True
+
+    def move_entry(self, slot: torch.Tensor, src: torch.Tensor, names: tuple[str, ...]) -> None:
+        """The per-token tensors ``names`` (B, 1 or H_kv, T) follow a store's ``evict_one``: entry ``src``
+        (B, 1 or H_kv, 1) moves to ``slot`` (the same shape), then leaves its own place (later entries move
+        one down). New tensors: O(T) small per-token entries, none of the cache's keys or values."""
+        for name in names:
+            x = getattr(self, name)
+            if x is None:
+                continue
+            b, h, t = x.shape[0], max(x.shape[1], src.shape[1]), x.shape[-1]
+            x, at, src_h = x.expand(b, h, t), slot.expand(b, h, 1), src.expand(b, h, 1)
+            moved = x.scatter(-1, at, x.gather(-1, src_h))  # (B, h, T)
+            ar = torch.arange(t - 1, device=x.device)
+            setattr(self, name, moved.gather(-1, ar + (ar >= src_h).long()))  # (B, h, T - 1)
 
     def move_newest(self, slot: torch.Tensor, names: tuple[str, ...]) -> None:
         """The per-token tensors ``names`` (B, 1 or H_kv, T) follow a store's ``drop_one``: the newest entry
@@ -309,6 +327,60 @@ class PolicyLayer(LayerAttention, ContextPassMode, Rollback, CacheLayerMixin):
         }
 
     # -- attention ------------------------------------------------------------------------------
+    def plan(self, query, key, value) -> Plan:
+        """This step's plan for query (B, H, q, D) over what ``update`` returned (B, H_kv, T, D): the store's
+        compact read for a step ``update`` deferred, else the dense read masked from the layer's state."""
+        key, value, mask = self.attend(query, key, value)
+        # the selector's scores, never in a context pass it does not score (``ContextPassMode.observes``)
+        scored = self.wants_scores and (self.needs_context_pass or not self.in_context_pass)
+        probs = self.observed_probs if scored else "none"
+        if self.deferred:
+            return Plan(self.compact_read(), probs, self.grouped_decode)
+        if mask is not None:
+            mask = expand_heads(mask, query.shape[1])
+        return Plan(Dense(key, value, mask), probs, self.grouped_decode)
+
+    def compact_read(self):
+        """The deferred step's compact read (``kvcompress.core.plan``): the store's own."""
+        return self.store.compact_read()
+
+    def read_deferred(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A deferred step's dense keys/values (B, H_kv, T, D), when its attention cannot read the compact
+        form (a selector that deferred its own read, Quest's pages, gathers them)."""
+        self.deferred = False
+        return self.store.read()
+
+    def compact_done(self) -> None:
+        """A deferred step's compact read ran (a selector that deferred its own read counts it)."""
+        self.deferred = False
+
+    def dense_plan(self, plan: Plan) -> Plan:
+        """The deferred step of ``plan`` as a dense read, where no backend reads its compact form. A step
+        whose selector asks for no scores ends here, after the read (its attention still sees its tokens
+        unquantized); a scored one after its selector has seen them (``attended``)."""
+        key, value = self.read_deferred()
+        if plan.probs == "none":
+            self.end_step()
+        return Plan(Dense(key, value, None), plan.probs, plan.grouped)
+
+    def attended(self, plan: Plan, call, out, probs, backend: str) -> None:
+        """After attention: count what ran (``backend``, the read's form), end a compact step, show the probe
+        what was read, give the selector its scores (``probs``: the decode query's, when the backend computed
+        them) and end the step."""
+        read = plan.read
+        if not self.in_context_pass:  # a context pass's reconstruction is not one of the model's steps
+            self.backends_ran[backend] = self.backends_ran.get(backend, 0) + 1
+            self.reads_ran[read.form] = self.reads_ran.get(read.form, 0) + 1
+        compact = read.form != "dense"  # a deferred step: its codes were read, its end waited for this
+        if compact:
+            self.compact_done()
+        elif self.probe is not None:  # fidelity diagnostics, before any eviction
+            self.probe.attended(self, call.query, read.key, read.value, read.mask, call.scaling, out)
+        if plan.probs != "none":  # the decode query's probabilities (a compact read's backend returns them)
+            self.observe_attention(call.query, getattr(read, "key", None), call.scaling, probs)
+        if compact or plan.probs != "none":
+            self.end_step()
+
     def attend(self, query, key, value):
         """What this step's query (B, H, q, D) reads: keys/values (B, H_kv, T, D) and a mask."""
         self.count_read(key.shape[-2])
@@ -380,6 +452,13 @@ class PolicyLayer(LayerAttention, ContextPassMode, Rollback, CacheLayerMixin):
         return torch.div(kpos - pad, self.window, rounding_mode="floor") == torch.div(
             qpos - pad, self.window, rounding_mode="floor"
         )
+
+
+def expand_heads(mask: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
+    """Per-KV-head masks (B, H_kv, q, T) become (B, H, q, T); shared masks stay (B, 1, q, T)."""
+    if mask is None or mask.shape[1] in (1, num_heads):
+        return mask
+    return mask.repeat_interleave(num_heads // mask.shape[1], dim=1)
 
 
 def _unread(states: torch.Tensor, total: int) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """The causal rule over contiguous positions (the last ``q`` queries of a sequence over its ``t`` keys), and
 the validity of stored plus new tokens under padding (``cat_valid``).
 
-The reference eager attention, score windows (``fused.window_scores``) and KVzip's reconstruction scores
-build their masks here: a query at position ``t - q + i`` reads keys at positions up to its own. A policy
-layer's mask compares tracked absolute positions instead (stored tokens need not be contiguous after
+The reference eager attention, score windows (``torch_attention.window_scores``) and KVzip's reconstruction
+scores build their masks here: a query at position ``t - q + i`` reads keys at positions up to its own. A
+policy layer's mask compares tracked absolute positions instead (stored tokens need not be contiguous after
 eviction: ``PolicyLayer.attention_mask``).
 """
 

@@ -45,8 +45,9 @@ class Dense:
 
 @dataclass(frozen=True)
 class Kivi:
-    """KIVI packed codes (``storage.quant``): key (codes, scales, zeros) per channel, values per token, then
-    the residual window (B, H_kv, Tr, D) in full precision. ``backend``: ``quant.backend``."""
+    """KIVI packed codes (``storage.quant``): key (codes, scales, zeros) per channel (``key_axis``
+    ``channel``, KIVI's layout) or per token (``token``, the layout that evicts exactly), values per token,
+    then the residual window (B, H_kv, Tr, D) in full precision. ``backend``: ``quant.backend``."""
 
     keys: tuple
     values: tuple
@@ -55,6 +56,7 @@ class Kivi:
     bits: int
     group: int
     backend: str = "auto"
+    key_axis: str = "channel"
 
     form = "kivi"
     required = property(_named)
@@ -135,7 +137,9 @@ class Plan:
 @dataclass(frozen=True)
 class Call:
     """What the model's attention module asks besides the plan: the query (B, H, q, D), the softmax scale,
-    the module and its keyword arguments, and the backend the model was installed with."""
+    the module and its keyword arguments, the backend the model was installed with, and whether the
+    attention is plain softmax (``plain``: no training dropout, logit soft-capping or learned sinks; the
+    attention hook says, ``attention.plain_softmax``)."""
 
     module: object
     query: torch.Tensor
@@ -143,11 +147,4 @@ class Call:
     kwargs: dict
     configured: str
     dropout: float = 0.0
-
-    @property
-    def plain(self) -> bool:
-        """Plain softmax attention: no training dropout, logit soft-capping or learned sinks (``s_aux``)."""
-        module = self.module
-        if module.training or getattr(module.config, "attn_logit_softcapping", None) is not None:
-            return False
-        return self.kwargs.get("s_aux") is None and getattr(module, "sinks", None) is None
+    plain: bool = True

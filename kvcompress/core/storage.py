@@ -147,6 +147,18 @@ class Store:
         """Whether ``refill`` can evict one token in place now (a buffer this store owns, with headroom)."""
         return False
 
+    def can_evict_one(self) -> bool:
+        """Whether ``evict_one`` may evict a token in place now (False: the caller uses ``keep``)."""
+        return self.can_refill()
+
+    def evict_one(self, slot: torch.Tensor) -> int | torch.Tensor | None:
+        """Evict token ``slot`` (B, 1 or H_kv, 1) of every row and head in place (stored order not kept).
+        Returns the stored index (an int, or (B, 1 or H_kv, 1) as ``slot``) whose entry now sits in ``slot``,
+        the entries after it having moved one down (the layer's per-token state follows), or None, doing
+        nothing, when it cannot. Here: the newest token moves into the hole (``drop_one``)."""
+        t = self.length
+        return t - 1 if self.drop_one(slot) else None
+
     def refill(self, slot: int) -> None:
         """Evict token ``slot`` of every row and head by moving the newest token into its place: O(1), the
         stored order is not kept. Only after ``can_refill()`` said True."""
@@ -160,9 +172,10 @@ class Store:
     def compact_read(self):
         raise NotImplementedError(f"{type(self).__name__} has no compact read")
 
-    def flush(self, valid: torch.Tensor | None = None) -> None:
-        """End of a step: compress what waited in full precision (quantize, project). ``valid``
-        (B, 1 or H_kv, T) marks the stored tokens that are padding (False), or None without padding."""
+    # flush(valid): end of a step, compress what waited in full precision (quantize, project, page out).
+    # ``valid`` (B, 1 or H_kv, T) marks the stored tokens that are padding (False), or None without padding.
+    # None: a store that compresses nothing later (dense); the layer's step then calls nothing.
+    flush = None
 
     def crop_refusal(self, n: int) -> str | None:
         """Why the newest ``n`` tokens cannot be removed exactly (``crop``), or None when they can."""

@@ -5,8 +5,8 @@ which SDPA computes and drops. On a CPU, ``scaled_dot_product_attention`` runs t
 ``aten._scaled_dot_product_flash_attention_for_cpu`` for a masked float query of several tokens, which
 returns the log-sum-exp beside the output: called directly, with the additive mask SDPA makes of a boolean
 one and the key/value heads repeated as transformers' ``sdpa_attention_forward`` repeats them, it gives
-the same output as the ``sdpa`` backend plus the normaliser (``tests/test_attention_scores.py``). Anywhere
-else ``attention_with_lse`` returns None and the scores compute their own.
+the same output as the ``sdpa`` backend plus the normaliser (``tests/core/test_attention_scores.py``).
+Anywhere else ``attention_with_lse`` returns None and the scores compute their own.
 """
 
 from __future__ import annotations

@@ -31,10 +31,10 @@ from functools import partial
 import torch
 
 from kvcompress import kernels
-from kvcompress.core.fused import attend_by_parts
 from kvcompress.core.latents import rebuild
 from kvcompress.core.plan import Latent
 from kvcompress.core.profiling import TIMER
+from kvcompress.core.torch_attention import attend_by_parts
 
 
 def attend(query: torch.Tensor, scaling: float, read: Latent) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvcompress import kernels
-from kvcompress.core.fused import attend_by_parts
+from kvcompress.core.torch_attention import attend_by_parts
 
 
 def usable(key: torch.Tensor) -> bool:

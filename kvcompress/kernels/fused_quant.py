@@ -80,35 +80,63 @@ def value_output(p, codes, scale, zero, bits: int, group: int, fused: bool) -> t
     return torch.cat(blocks, -1) + zeros.repeat_interleave(group, -1)
 
 
+def key_logits_token(q, codes, scale, zero, bits: int, group: int, fused: bool) -> torch.Tensor:
+    """``q . k_t`` for keys quantized per token (``G`` channels of a token share a scale and zero):
+    ``sum_j s_tj (q_j . c_tj) + sum_j z_tj sum(q_j)``. q (B, H_kv, g, D) float32; codes (B, H_kv, Te,
+    D * bits / 8); scale, zero (B, H_kv, Te, D / G). Returns (B, H_kv, g, Te) float32. The tensor form unpacks
+    the codes (a (Te, D) float temporary, as a dequantized read); the C++ kernel reads them in place."""
+    b, h, g, d = q.shape
+    te, per, ng = codes.shape[2], 8 // bits, d // group
+    c = torch.cat([_plane(codes, bits, k) for k in range(per)], -1)  # (B, H_kv, Te, D)
+    qg = q.view(b, h, g, ng, group).transpose(2, 3)  # (B, H_kv, ng, g, G)
+    dots = torch.matmul(qg, c.view(b, h, te, ng, group).permute(0, 1, 3, 4, 2))  # (B, H_kv, ng, g, Te)
+    scaled = (dots * scale.float().permute(0, 1, 3, 2)[:, :, :, None]).sum(2)  # (B, H_kv, g, Te)
+    return scaled + torch.matmul(qg.sum(-1).transpose(2, 3), zero.float().transpose(-1, -2))
+
+
 def attend(query, kq, vq, k_res, v_res, scaling: float, bits: int, group: int, impl: str) -> torch.Tensor:
+    """One decode query over KIVI's codes (keys per channel) then the residual window: ``attend_scored``'s
+    output (B, 1, H, D) alone, the form ``torch.compile`` fuses."""
+    return attend_scored(query, kq, vq, k_res, v_res, scaling, bits, group, impl)[0]
+
+
+def attend_scored(query, kq, vq, k_res, v_res, scaling, bits, group, impl, key_axis="channel", scores=False):
     """One decode query over quantized tokens then the residual window, softmax in float32.
 
     Args:
-        query: (B, H, 1, D). kq: key codes, scales, zeros (per channel); vq: value ones (per token).
+        query: (B, H, 1, D). kq: key codes, scales, zeros (per channel, or per token with
+            ``key_axis="token"``); vq: value ones (per token).
         k_res, v_res: (B, H_kv, Tr, D) the full-precision window, after the quantized tokens.
         impl: ``IMPLS``: ``matmul`` (eager), ``fused`` (for ``torch.compile``), ``kernel`` (C++, CPU).
+        scores: return the probabilities too, averaged over each KV group's query heads (what score-based
+            eviction reads, as ``torch_attention.decode_attention`` returns them).
 
     Returns:
-        (B, 1, H, D) in the query's dtype, as the models' attention functions return it.
+        (B, 1, H, D) in the query's dtype, as the models' attention functions return it, and the
+        probabilities (B, H_kv, 1, Te + Tr) float32 in stored order, or None.
     """
     b, h, _, d = query.shape
     h_kv = k_res.shape[1]
     q = query.reshape(b, h_kv, h // h_kv, d).float() * scaling  # (B, H_kv, g, D)
-    logits_q = _sums(impl, "key_logits", q, kq, bits, group)  # (B, H_kv, g, Te)
+    name = "key_logits" if key_axis == "channel" else "key_logits_token"
+    built = kernels.load() if impl == "kernel" else None
+    logits_q = _sums(impl, name, q, kq, bits, group, built)  # (B, H_kv, g, Te)
     logits_r = torch.matmul(q, k_res.float().transpose(-1, -2))  # (B, H_kv, g, Tr)
     probs = torch.softmax(torch.cat([logits_q, logits_r], -1), -1)
     te = logits_q.shape[-1]
-    out = _sums(impl, "value_output", probs[..., :te], vq, bits, group)
+    out = _sums(impl, "value_output", probs[..., :te], vq, bits, group, built)
     out = out + torch.matmul(probs[..., te:], v_res.float())  # (B, H_kv, g, D)
-    return out.reshape(b, 1, h, d).to(query.dtype)
+    out = out.reshape(b, 1, h, d).to(query.dtype)
+    return out, probs.mean(dim=2, keepdim=True) if scores else None
 
 
-def _sums(impl: str, name: str, x, parts, bits: int, group: int) -> torch.Tensor:
-    """``key_logits`` or ``value_output`` of ``x`` over quantized ``parts`` in the form ``impl`` says."""
+def _sums(impl: str, name: str, x, parts, bits: int, group: int, built=None) -> torch.Tensor:
+    """``key_logits`` (or ``key_logits_token``) or ``value_output`` of ``x`` over quantized ``parts`` in the
+    form ``impl`` says; ``built``: the loaded C++ module for ``kernel``, when the caller has it already."""
     if impl == "kernel":
         codes, scale, zero = parts
         args = (x.contiguous(), codes.contiguous(), scale.float().contiguous(), zero.float().contiguous())
-        return getattr(kernels.load(), name)(*args, bits, group)
+        return getattr(built or kernels.load(), name)(*args, bits, group)
     return globals()[name](x, *parts, bits, group, impl == "fused")
 
 

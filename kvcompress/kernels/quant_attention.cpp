@@ -201,6 +201,49 @@ at::Tensor key_logits(at::Tensor q, at::Tensor codes, at::Tensor scale, at::Tens
   return out;
 }
 
+// q (B, Hk, g, D) float32 (scaled); codes (B, Hk, Te, W) uint8; scale, zero (B, Hk, Te, D/G) float32 (keys
+// quantized per token, G channels a group, as values are). Returns the logits (B, Hk, g, Te) float32:
+// q . k_t = sum_j s_tj (q_j . c_tj) + sum_j z_tj sum(q_j), q_j the query's channels of group j.
+at::Tensor key_logits_token(at::Tensor q, at::Tensor codes, at::Tensor scale, at::Tensor zero,
+                            int64_t bits, int64_t group) {
+  const Quantized in(q, codes, scale, zero);
+  const float *qp = in.x, *sp = in.scale, *zp = in.zero;
+  const uint8_t* cp = in.codes;
+  const int64_t bh = q.size(0) * q.size(1), g = q.size(2), d = q.size(3);
+  const int64_t te = codes.size(2), w = codes.size(3), ng = d / group;
+  TORCH_CHECK(w * (8 / bits) == d && ng * group == d && scale.size(2) == te && scale.size(3) == ng,
+              "token key codes: shapes do not fit");
+  auto out = at::empty({q.size(0), q.size(1), g, te}, q.options());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, bh, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> c(d), qsum(g * ng);
+    for (int64_t x = lo; x < hi; ++x) {
+      const float* qx = qp + x * g * d;
+      float* ox = op + x * g * te;
+      for (int64_t i = 0; i < g; ++i)  // each group's query sum meets its zero point
+        for (int64_t j = 0; j < ng; ++j) {
+          float acc = 0.f;
+          for (int64_t e = j * group; e < (j + 1) * group; ++e) acc += qx[i * d + e];
+          qsum[i * ng + j] = acc;
+        }
+      for (int64_t t = 0; t < te; ++t) {
+        unpack(cp + (x * te + t) * w, w, bits, c.data());
+        const float* s = sp + (x * te + t) * ng;
+        const float* z = zp + (x * te + t) * ng;
+        for (int64_t i = 0; i < g; ++i) {
+          float acc = 0.f;
+          for (int64_t j = 0; j < ng; ++j) {
+            const float dj = kvc::dot(qx + i * d + j * group, c.data() + j * group, group);
+            acc += s[j] * dj + z[j] * qsum[i * ng + j];
+          }
+          ox[i * te + t] = acc;
+        }
+      }
+    }
+  });
+  return out;
+}
+
 // p (B, Hk, g, Te) float32 probabilities; codes (B, Hk, Te, W) uint8; scale, zero (B, Hk, Te, D/G)
 // float32 (values quantized per token, G channels a group). Returns sum_t p_t v_t (B, Hk, g, D) float32.
 at::Tensor value_output(at::Tensor p, at::Tensor codes, at::Tensor scale, at::Tensor zero,
@@ -242,5 +285,6 @@ at::Tensor value_output(at::Tensor p, at::Tensor codes, at::Tensor scale, at::Te
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vector_isa", &kvc::vector_isa, "the vector instructions of this build (avx512 or portable)");
   m.def("key_logits", &key_logits, "logits of a decode query over KIVI key codes");
+  m.def("key_logits_token", &key_logits_token, "logits of a decode query over per-token key codes");
   m.def("value_output", &value_output, "probability-weighted sum of KIVI value codes");
 }

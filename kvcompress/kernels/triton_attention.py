@@ -369,7 +369,7 @@ def pages_attention(query, key, value, pages, block: int, total: int, scaling: f
 
 
 def window_scores(query, key, scaling: float, valid=None) -> torch.Tensor:
-    """``kvcompress.core.fused.window_scores`` from one pass over the keys in their own dtype: the last
+    """``torch_attention.window_scores`` from one pass over the keys in their own dtype: the last
     ``w`` queries (B, H, w, D) over key (B, H_kv, T, D), ``valid`` (B, 1 or H_kv, T) or None. Returns
     (B, H_kv, w, T) float32 probabilities averaged per KV group, padding keys and padding queries 0."""
     b, h, w, d = query.shape

@@ -52,7 +52,7 @@ def available() -> str | None:
 def _valid(mask, kv_heads: int, heads: int):
     """A boolean decode mask (B or 1, 1 or H_kv or H, 1, T) as key validity (B or 1, 1 or H_kv, T), or why
     not. A mask over the H query heads is a layer's per-KV-head mask repeated over each group
-    (``layer_attention.expand_heads``): one head of each group is read."""
+    (``layer.expand_heads``): one head of each group is read."""
     if mask is None:
         return None, None
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[2] != 1:
@@ -88,6 +88,8 @@ class Triton(Backend):
             if not (plan.grouped or plan.probs == "last"):
                 return "serves grouped or scored dense reads (the model's own kernel serves plain ones)"
             return _valid(r.mask, r.key.shape[1], q.shape[1])[1]
+        if plan.form == "kivi" and (r.key_axis != "channel" or plan.probs != "none"):
+            return "reads KIVI's own layout (keys per channel) without probabilities only"
         if plan.form in ("kivi", "pages"):
             return None
         return f"no kernel reads {plan.form}"
@@ -107,7 +109,7 @@ class Triton(Backend):
 
 
 def window_scores(query, key, scaling: float, valid=None):
-    """``fused.window_scores`` in Triton where this backend would serve the tensors, else None."""
+    """``torch_attention.window_scores`` in Triton where this backend would serve the tensors, else None."""
     cuda, cpu = query.device.type == "cuda", query.device.type == "cpu" and _STATE["cpu"]
     if not (cuda or cpu) or available():
         return None

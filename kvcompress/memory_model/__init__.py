@@ -4,8 +4,8 @@
 reads a tensor. Each selector declares, next to its code, how many tokens a layer keeps
 (``Policy.kept_tokens``) and what its own state costs (``Policy.state_bytes``); each storage declares what
 that many tokens cost (``Storage.bytes_for``) plus its per-layer constants (``Storage.fixed_bytes``). The
-benchmark reports measured / predicted (``bytes_vs_predicted``) and ``tests/test_memory_model.py`` holds
-every selector x storage pair to it.
+benchmark reports measured / predicted (``bytes_vs_predicted``) and
+``tests/memory_model/test_memory_model.py`` holds every selector x storage pair to it.
 
 Scope: one prefill forward of ``n_tokens`` (not chunked), then ``decode_tokens`` single-token steps,
 ``batch`` rows without padding. Dense layers keep their keys/values in growable buffers

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvcompress.core.fused import window_scores
+from kvcompress.core.torch_attention import window_scores
 from kvcompress.storage import DenseStorage
 
 TINY = 1e-30

@@ -22,7 +22,9 @@ from kvcompress.core.layer import PolicyLayer
 class SlidingWindowLayer(PolicyLayer):
     """Evicts after each step so that at most ``sink_tokens + window`` tokens stay stored."""
 
-    grouped_decode = True  # a decode query attends as other eviction layers do (``fused.decode_attention``)
+    grouped_decode = (
+        True  # a decode query attends as other eviction layers do (``torch_attention.decode_attention``)
+    )
     reads_as_stored = False  # its step selects what is read (``compress``/``attend``)
 
     def __init__(self, *args, **kwargs):

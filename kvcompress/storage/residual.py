@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcompress.core.buffers import Slots, gather_tokens
+from kvcompress.core.buffers import Slots, gather_tokens, writing
 from kvcompress.core.storage import KINDS, Store, take_rows
 
 
@@ -62,6 +62,9 @@ class ResidualStore(Store):
     needs_positions = False
     grows_in_place = False  # encoded parts in growable buffers (their spare slots count as memory)
     pads_exactly = False  # encoded groups are cut on batch slots: left padding moves a row's group bounds
+    # each token is encoded alone (its codes do not depend on other tokens) into parts of H_kv heads: one
+    # token can be encoded into an evicted token's slot in place (``evict_one``)
+    encodes_per_token = False
 
     def __init__(self, config, layer_idx, spec, kinds=KINDS):
         super().__init__(config, layer_idx, spec, kinds)
@@ -97,7 +100,9 @@ class ResidualStore(Store):
 
     @property
     def length(self) -> int:
-        return self.encoded_length + self.residual_length
+        kind = self.kinds[0]  # both lengths, read here (the step asks for it often)
+        parts, r = self.encoded[kind], self.residual[kind]
+        return (0 if parts is None else parts[0].shape[2]) + (0 if r is None else r.shape[2])
 
     def append(self, keys, values, positions=None) -> None:
         for kind, x in zip(KINDS, (keys, values), strict=True):
@@ -114,7 +119,11 @@ class ResidualStore(Store):
         self.appended += q
 
     def read(self):
-        return tuple(self._read(kind) if kind in self.kinds else None for kind in KINDS)
+        kinds = self.kinds
+        return (
+            self._read("keys") if "keys" in kinds else None,
+            self._read("values") if "values" in kinds else None,
+        )
 
     def _read(self, kind: str) -> torch.Tensor:
         parts, res = self.encoded[kind], self.residual[kind]
@@ -123,7 +132,8 @@ class ResidualStore(Store):
         b, h, tr, d = res.shape
         te = parts[0].shape[2]
         out = torch.empty(b, h, te + tr, d, dtype=res.dtype, device=res.device)
-        self.decode(kind, parts, out[:, :, :te], self._positions(0, te))
+        positions = None if self.positions is None else self.positions[..., :te]
+        self.decode(kind, parts, out[:, :, :te], positions)
         out[:, :, te:] = res
         return out
 
@@ -220,6 +230,43 @@ class ResidualStore(Store):
             kept = self._take_residual(kind, idx[..., n_enc:], te, res, early)  # reads the encoded parts
             self.encoded[kind] = self._take_encoded(kind, idx[..., :n_enc], te, res, late) if n_enc else None
             self.residual[kind] = kept
+
+    def can_evict_one(self) -> bool:
+        return self.encodes_per_token and not self.needs_positions and self.encoded_length > 0
+
+    def evict_one(self, slot: torch.Tensor) -> torch.Tensor | None:
+        """A decode step's one eviction in place, where the layout ``keep`` gives the ``k`` tokens left is
+        the one already held (the first ``flush_count(k)`` encoded): a hole in the encoded region takes the
+        window's oldest token, encoded now into it (the token ``keep`` would encode), and the window loses
+        that token, or the evicted one where the hole is in the window. O(window), no copy of the codes.
+        Returns the stored index whose entry moved into ``slot``, shaped as ``slot`` (``Store.evict_one``)."""
+        te, tr = self.encoded_length, self.residual_length
+        k = te + tr - 1
+        if not self.encodes_per_token or self.needs_positions or te == 0 or tr == 0:
+            return None
+        if max(0, min(k, self.flush_count(k))) != te:
+            return None
+        b, h = self.residual[self.kinds[0]].shape[:2]
+        at = slot.expand(b, h, 1)
+        hole = at < te  # (B, H_kv, 1): the evicted token is encoded
+        gone = torch.where(hole, 0, at - te)  # (B, H_kv, 1): the window's token that leaves it
+        ar = torch.arange(tr - 1, device=at.device)
+        stay = ar + (ar >= gone).long()  # (B, H_kv, tr - 1)
+        for kind in self.kinds:
+            res = self.residual[kind]  # (B, H_kv, tr, D)
+            self._fill_hole(kind, at.clamp(max=te - 1), hole, self.encode(kind, res[:, :, :1]))
+            self.residual[kind] = gather_tokens(res, stay)
+        return torch.where(slot < te, te, slot)  # (B, 1 or H_kv, 1): heads that share a slot share it
+
+    def _fill_hole(self, kind: str, at: torch.Tensor, hole: torch.Tensor, fresh: tuple) -> None:
+        """Write the encoded token ``fresh`` (parts (B, H_kv, 1, ...)) at ``at`` (B, H_kv, 1) where ``hole``
+        (elsewhere each part keeps its own entry)."""
+        parts = self.encoded[kind]
+        with writing(parts[0]):
+            for part, new in zip(parts, fresh, strict=True):
+                tail = (1,) * (part.dim() - 3)
+                idx = at.view(*at.shape, *tail).expand(*at.shape, *part.shape[3:])
+                part.scatter_(2, idx, torch.where(hole.view(*hole.shape, *tail), new, part.gather(2, idx)))
 
     def _take_encoded(self, kind: str, head: torch.Tensor, te: int, res: torch.Tensor, m: int) -> tuple:
         """Encoded rows ``head`` (B, 1 or H, n); positions past ``te`` are residual tokens, encoded now. Only

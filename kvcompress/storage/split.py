@@ -54,7 +54,8 @@ class SplitStore(Store):
 
     def flush(self, valid=None) -> None:
         for store in self._both():
-            store.flush(valid)
+            if store.flush is not None:
+                store.flush(valid)
 
     def crop_refusal(self, n: int) -> str | None:
         return self.key_store.crop_refusal(n) or self.value_store.crop_refusal(n)

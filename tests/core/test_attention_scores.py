@@ -7,7 +7,7 @@ import torch
 from conftest import make_tiny
 
 from kvcompress import build_cache
-from kvcompress.core.fused import window_scores
+from kvcompress.core.torch_attention import window_scores
 
 
 def _grouped(probs: torch.Tensor, num_kv: int) -> torch.Tensor:
@@ -100,7 +100,7 @@ def test_half_precision_scores_accumulate_in_float32(dtype):
 def test_fused_decode_attention_matches_sdpa_and_window_scores(dtype):
     """One query per row: the fused path's output equals SDPA's and its probabilities equal a separate
     ``window_scores`` pass, so H2O/TOVA/block_evict read the same scores without the second pass."""
-    from kvcompress.core.fused import decode_attention
+    from kvcompress.core.torch_attention import decode_attention
 
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 6, 1, 16, generator=g).to(dtype)
@@ -128,7 +128,8 @@ def test_fused_decode_path_only_for_plain_softmax_attention():
 
     def call(training=False, cap=None, **kwargs):
         module = SimpleNamespace(training=training, config=SimpleNamespace(attn_logit_softcapping=cap))
-        return Call(module, torch.randn(1, 4, 1, 8), 0.3, kwargs, "sdpa")
+        plain = not training and cap is None and kwargs.get("s_aux") is None  # the attention hook's rule
+        return Call(module, torch.randn(1, 4, 1, 8), 0.3, kwargs, "sdpa", plain=plain)
 
     key = torch.randn(1, 2, 5, 8)
     plan = Plan(Dense(key, key, None), probs="last")

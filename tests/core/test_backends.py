@@ -36,7 +36,7 @@ class Reference(executor.Backend):
 
     def run(self, plan, call):
         r = plan.read
-        out, _ = backends.eager_attention(call.module, call.query, r.key, r.value, r.mask, call.scaling)
+        out, _ = executor.eager_attention(call.module, call.query, r.key, r.value, r.mask, call.scaling)
         return out, None
 
 

@@ -1,5 +1,4 @@
-"""Each forward's own state (``kvcompress.core.forward_state``): its padding and its layer handoff reach only
-that
+"""Each forward's own state (``attention.ForwardState``): its padding and its layer handoff reach only that
 forward's layers, a caller's own 4D mask is refused, and ``uninstall`` undoes ``install``."""
 
 from __future__ import annotations
@@ -10,7 +9,7 @@ from conftest import make_tiny
 
 from kvcompress import build_cache
 from kvcompress.core import attention
-from kvcompress.core.forward_state import KEY, ForwardState
+from kvcompress.core.attention import KEY, ForwardState
 from kvcompress.runtime.padding import left_pad
 
 

@@ -124,7 +124,7 @@ def test_a_deferred_step_outside_kvcompress_attention_fails_loudly(llama, tokens
 
 
 def test_unsupported_axes_read_the_dense_copy(llama, tokens):
-    cache = build_cache("quant", llama, bits=4, group_size=4, recent=4, key_axis="token")
+    cache = build_cache("quant", llama, bits=4, group_size=4, recent=4, value_axis="channel")
     llama(tokens[:, :20], cache=cache, use_cache=True)
     logits = llama(tokens[:, 20:21], cache=cache, use_cache=True).logits
     assert not cache.layers[0].store.attends_codes() and logits.isfinite().all()
@@ -132,7 +132,16 @@ def test_unsupported_axes_read_the_dense_copy(llama, tokens):
 
 @pytest.mark.parametrize("backend", ["cpu", "torch", "triton"])
 def test_naming_a_backend_on_a_layout_it_cannot_read_is_refused(llama, backend):
-    with pytest.raises(ValueError, match=rf"quant.backend='{backend}' reads KIVI's layout only"):
+    with pytest.raises(
+        ValueError, match=rf"quant.backend='{backend}' reads packed codes of value_axis='token'"
+    ):
+        build_cache("quant", llama, bits=4, group_size=4, value_axis="channel", backend=backend)
+    if backend == "triton":  # its kernel reads KIVI's own key layout only
+        with pytest.raises(
+            ValueError, match="quant.backend='triton' reads KIVI's layout .key_axis='channel'"
+        ):
+            build_cache("quant", llama, bits=4, group_size=4, key_axis="token", backend=backend)
+    else:  # keys per token: read from their codes (``key_logits_token``)
         build_cache("quant", llama, bits=4, group_size=4, key_axis="token", backend=backend)
 
 

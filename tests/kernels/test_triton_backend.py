@@ -93,12 +93,12 @@ def test_the_backend_declares_what_it_does_not_serve():
 def test_prefill_score_windows_come_from_the_kernel_with_the_same_selection():
     """SnapKV ranks the prompt by its observation window's probabilities: under ``on_cpu`` they come from the
     Triton window kernel (counted by a spy), and the cache keeps the same tokens with the same logits."""
-    from kvcompress.core import fused
+    from kvcompress.core import torch_attention
 
     model = make_tiny("llama")
     ids = torch.randint(2, 90, (1, PREFILL + STEPS), generator=torch.Generator().manual_seed(7))
     calls = []
-    (kernel,) = fused.WINDOW_SCORERS
+    (kernel,) = torch_attention.WINDOW_SCORERS
 
     def spy(*args):
         out = kernel(*args)
@@ -107,13 +107,13 @@ def test_prefill_score_windows_come_from_the_kernel_with_the_same_selection():
 
     base = build_cache("snapkv", model, budget=16, observation_window=4)
     want = _run(model, base, ids)
-    fused.WINDOW_SCORERS[:] = [spy]
+    torch_attention.WINDOW_SCORERS[:] = [spy]
     try:
         with triton_backend.on_cpu():
             cache = build_cache("snapkv", model, budget=16, observation_window=4)
             got = _run(model, cache, ids)
     finally:
-        fused.WINDOW_SCORERS[:] = [kernel]
+        torch_attention.WINDOW_SCORERS[:] = [kernel]
     assert calls and all(calls)  # every window scored by the kernel
     assert [layer.stored_length() for layer in cache.layers] == [
         layer.stored_length() for layer in base.layers

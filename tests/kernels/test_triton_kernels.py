@@ -157,7 +157,7 @@ def test_long_sequences_split_and_combine():
 def test_window_scores_match_the_reference_form(dtype, gqa, window):
     """The prefill score window (the last ``w`` queries over every key, causal within the window, padding
     keys and padding queries 0), from one pass over the keys in their own dtype."""
-    from kvcompress.core import fused
+    from kvcompress.core import torch_attention
 
     torch.manual_seed(6)
     b, h_kv, t, d = 2, 2, 70, 64
@@ -167,11 +167,11 @@ def test_window_scores_match_the_reference_form(dtype, gqa, window):
     valid[1, :, :30] = False  # row 1 left-padded
     for v in (None, valid):
         got = ta.window_scores(q, k, d**-0.5, v)
-        saved = list(fused.WINDOW_SCORERS)
-        fused.WINDOW_SCORERS.clear()  # the tensor form, in float32
+        saved = list(torch_attention.WINDOW_SCORERS)
+        torch_attention.WINDOW_SCORERS.clear()  # the tensor form, in float32
         try:
-            want = fused.window_scores(q.float(), k.float(), d**-0.5, v)
+            want = torch_attention.window_scores(q.float(), k.float(), d**-0.5, v)
         finally:
-            fused.WINDOW_SCORERS[:] = saved
+            torch_attention.WINDOW_SCORERS[:] = saved
         assert got.shape == want.shape == (b, h_kv, window, t) and got.dtype == torch.float32
         close(got, want, torch.float16 if dtype != torch.float32 else dtype, f"window {window}")

@@ -27,14 +27,14 @@ def test_it_counts_reads_data_shaped_results_and_host_data_by_kind():
 
 def test_it_names_the_kvcompress_line_that_asked():
     """A forward's padding check reads one value back (``bool(new.all())``): counted at that line."""
-    from kvcompress.core.forward_state import ForwardState
+    from kvcompress.core.attention import ForwardState
 
     state = ForwardState(torch.tensor([[0, 1, 1], [1, 1, 1]]))
     with HostSyncs() as syncs:
         valid = state.new_token_validity(2, 3, "cpu")
     assert valid is not None and dict(syncs.kinds) == {"read_back": 1}
     ((line, n),) = syncs.lines.items()
-    assert line.startswith("kvcompress/core/forward_state.py:") and n == 1
+    assert line.startswith("kvcompress/core/attention.py:") and n == 1
 
 
 def test_it_counts_python_numbers_read_under_inference_mode_once_each():

@@ -3,7 +3,7 @@
 Beam search reorders rows (``reorder_cache``: every policy); ``num_return_sequences`` and contrastive search
 copy and select rows (``batch_repeat_interleave`` / ``batch_select_indices``: refused by a storage that lays
 rows out for good, ``Store.fixed_rows``); assisted and prompt-lookup decoding roll back rejected drafts
-(``crop``: ``core.rollback``). Tested against ``DynamicCache`` in ``tests/test_generate_options.py``.
+(``crop``: ``core.rollback``). Tested against ``DynamicCache`` in ``tests/contract/test_generate_options.py``.
 """
 
 from __future__ import annotations

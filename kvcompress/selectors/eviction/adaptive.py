@@ -31,8 +31,8 @@ import math
 
 import torch
 
-from kvcompress.core import forward_state
-from kvcompress.core.fused import window_scores
+from kvcompress.core import attention
+from kvcompress.core.torch_attention import window_scores
 
 SAFE = 1e9  # added to a head's safeguarded tokens: above every score, below pinned tokens (base._BIG)
 
@@ -173,7 +173,7 @@ class AdaptiveHeads:
         if not self.flat:
             return super().update(key_states, value_states, *args, **kwargs)
         b, h, q, d = key_states.shape
-        if forward_state.validity(kwargs.get("forward"), b, q, key_states.device) is not None:
+        if attention.validity(kwargs.get("forward"), b, q, key_states.device) is not None:
             raise ValueError(
                 f"{self.policy.name}.adaptive=true does not serve padded rows (batch with padding)"
             )

@@ -182,7 +182,12 @@ class EvictionLayer(PolicyLayer):
         return self.valid & (self.valid.cumsum(-1) <= n)
 
     def select(
-        self, scores: torch.Tensor, k: int, protect: int = 0, pinned: torch.Tensor | None = None
+        self,
+        scores: torch.Tensor,
+        k: int,
+        protect: int = 0,
+        pinned: torch.Tensor | None = None,
+        refill: bool = True,
     ) -> torch.Tensor:
         """Keep the ``k`` best tokens of every row and head; returns the kept indices (B, h, k), sorted.
 
@@ -194,6 +199,8 @@ class EvictionLayer(PolicyLayer):
             protect: the last ``protect`` positions are kept first (recent / observation window).
             pinned: (B or 1, 1 or H_kv, T) bool, tokens kept first whatever their score (sinks, H2O's
                 recent window); among kept-first tokens the newest win ties (``token_order``).
+            refill: a decode step's one eviction may move the newest token into the hole (``drop_one``, for
+                ``order_free`` selectors); False where the caller already tried that this step (H2O).
         """
         t = scores.shape[-1]
         order = self.token_order(t, scores.device)
@@ -210,7 +217,8 @@ class EvictionLayer(PolicyLayer):
             return self.select_heads(prio, k)
         if t - k == 1 and self.valid is None and protect < t:  # decode: drop one token, no top-k or sort
             worst = prio[..., : t - protect].argmin(dim=-1, keepdim=True)  # (B, h, 1)
-            if self.order_free and protect == 0 and self.store.can_refill() and self.drop_one(worst):
+            in_place = refill and self.order_free and protect == 0
+            if in_place and self.store.can_evict_one() and self.drop_one(worst):
                 return worst
             ar = torch.arange(t - 1, device=scores.device)
             idx = ar + (ar >= worst).long()  # (B, h, t - 1): every position but the worst, in order

@@ -23,6 +23,7 @@ class H2OLayer(EvictionLayer):
     order, so a decode step's single eviction moves the newest token into the hole (O(1), ``drop_one``)."""
 
     order_free = True
+    reads_as_stored = True  # scored by the decode query over every stored token: over quant, from the codes
     needs_positions = True  # the base layer's ``pos`` (B, 1 or H_kv, T) int32
     per_token = ("acc",)
 
@@ -40,15 +41,16 @@ class H2OLayer(EvictionLayer):
         if t > k:
             recent = k // 2 if self.policy.recent is None else self.policy.recent
             protected = self.pos >= self.seen - recent  # the `recent` newest positions, wherever stored
-            if not (t - k == 1 and recent < t and self._drop_lowest(protected)):
-                self.select(self.acc, k, pinned=protected)
+            one = t - k == 1 and recent < t
+            if not (one and self._drop_lowest(protected)):  # refused: ``select`` need not try it again
+                self.select(self.acc, k, pinned=protected, refill=not one)
 
     def _drop_lowest(self, protected: torch.Tensor) -> bool:
         """A decode step's one eviction: the unprotected token of lowest score leaves, in place. ``select``'s
         choice (ties: the first stored) in float32 without its float64 priorities: positions are distinct,
         so with ``recent < T`` some token is unprotected. False, doing nothing, where ``select`` must decide
         (padding stored, chunk units or spans, storage that cannot move a token now)."""
-        if self.valid is not None or not self.order_free or not self.store.can_refill():
+        if self.valid is not None or not self.order_free or not self.store.can_evict_one():
             return False
         return self.drop_one(self.acc.masked_fill(protected, torch.inf).argmin(dim=-1, keepdim=True))
 

@@ -87,7 +87,8 @@ class KVzipLayer(EvictionLayer):
         if self.stored_length() > k:
             sinks = self.first_real(self.policy.sink_tokens, scores.shape[-1], scores.device)
             self.select(scores, k, pinned=sinks)
-        self.store.flush(self.valid)  # a quantized store re-encodes what eviction decoded
+        if self.store.flush is not None:  # a quantized store re-encodes what eviction decoded
+            self.store.flush(self.valid)
         self.context_passes += 1
 
     def stats(self) -> dict:

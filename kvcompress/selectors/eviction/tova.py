@@ -15,6 +15,7 @@ class TOVALayer(EvictionLayer):
     never matters and a decode step's single eviction moves the newest token into the hole (O(1))."""
 
     order_free = True
+    reads_as_stored = True  # scored by the decode query over every stored token: over quant, from the codes
 
     def observe_attention(self, query, key, scaling: float, probs=None) -> None:
         k = self.target()

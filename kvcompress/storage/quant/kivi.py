@@ -32,6 +32,8 @@ class QuantStore(ResidualStore):
     def __init__(self, config, layer_idx, spec, kinds=KINDS):
         super().__init__(config, layer_idx, spec, kinds)
         self.scale_dtype = None
+        self.encodes_per_token = self.keeps_exactly  # per-token groups: a token's codes are its own
+        self.layout_fits = config.codes_layout_fits(spec)  # fused_quant reads these codes (a constant)
 
     def axis(self, kind: str) -> str:
         return self.config.key_axis if kind == "keys" else self.config.value_axis
@@ -56,12 +58,14 @@ class QuantStore(ResidualStore):
         c = self.config
         if c.backend == "dense" or self.encoded_length == 0:
             return False
-        return len(self.kinds) == 2 and c.codes_layout_fits(self.spec)
+        return len(self.kinds) == 2 and self.layout_fits
 
     def compact_read(self) -> Kivi:
         """The codes and the residual window, for a backend that attends from them."""
         c = self.config
-        return Kivi(self.qkeys, self.qvalues, self.keys, self.values, c.bits, c.group_size, c.backend)
+        enc, res = self.encoded, self.residual
+        codes = (enc["keys"], enc["values"], res["keys"], res["values"])
+        return Kivi(*codes, c.bits, c.group_size, c.backend, c.key_axis)
 
     def flush_count(self, residual: int) -> int:
         g = self.config.group_size
@@ -149,7 +153,8 @@ class QuantStorage(Storage):
         scale_dtype: ``auto`` (the model dtype if 16-bit, else float16), ``float16``, ``bfloat16``,
             ``float32``.
         backend: which attention backend reads the codes at decode, with no dequantized copy
-            (``kvcompress.kernels.backends``; KIVI's layout only: ``key_axis=channel``, ``value_axis=token``).
+            (``kvcompress.kernels.backends``; ``value_axis=token``, keys per channel as KIVI or per token:
+            those, on a CPU, with the probabilities score-based eviction reads).
             ``auto``: the first that serves them (on a GPU ``triton``, else ``torch``; on a CPU ``cpu``
             where the C++ kernel builds, else the dense read: the tensor forms measured slower there,
             experiments/fused). ``cpu``: the C++ kernel (CPU); ``torch``: the tensor form
@@ -191,17 +196,22 @@ class QuantStorage(Storage):
             raise ValueError(f"quant.bits={self.bits}: head_dim={spec.head_dim} cannot be packed into bytes")
         if self.backend not in ("auto", "dense") and not self.codes_layout_fits(spec):
             raise ValueError(
-                f"quant.backend={self.backend!r} reads KIVI's layout only: "
-                f"key_axis='channel', value_axis='token' and a group_size that divides or is a multiple of "
+                f"quant.backend={self.backend!r} reads packed codes of value_axis='token' only (keys on "
+                f"either axis), with a group_size that divides or is a multiple of "
                 f"head_dim * bits / 8 = {spec.head_dim * self.bits // 8}; "
                 "use backend='auto' or 'dense' for this layout"
             )
+        if self.backend == "triton" and self.key_axis == "token":
+            raise ValueError(
+                "quant.backend='triton' reads KIVI's layout (key_axis='channel') only; with key_axis='token' "
+                "use backend='auto', 'cpu' or 'torch'"
+            )
 
     def codes_layout_fits(self, spec: ModelSpec) -> bool:
-        """Whether ``fused_quant`` can attend from these codes: per-channel keys, per-token values, and
-        groups that tile a bit plane (``head_dim * bits / 8`` channels)."""
+        """Whether ``fused_quant`` can attend from these codes: keys per channel (KIVI) or per token,
+        values per token, and groups that tile a bit plane (``head_dim * bits / 8`` channels)."""
         width = spec.head_dim * self.bits // 8
-        axes_fit = (self.key_axis, self.value_axis) == ("channel", "token")
+        axes_fit = self.value_axis == "token"
         return axes_fit and (width % self.group_size == 0 or self.group_size % width == 0)
 
     def refuses(self, selector, kinds=KINDS) -> str | None:

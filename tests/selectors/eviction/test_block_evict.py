@@ -13,7 +13,7 @@ from helpers import stream_logits
 from transformers import DynamicCache
 
 from kvcompress import build_cache
-from kvcompress.core.forward_state import ForwardState
+from kvcompress.core.attention import ForwardState
 from kvcompress.selectors import BlockEvictPolicy, ModelSpec
 
 D = 16

@@ -1,5 +1,6 @@
-"""Decode attention computed here instead of by the model's SDPA: with the probabilities score-based
-eviction reads (``decode_attention``), or from what a store holds (``attend_by_parts``).
+"""Attention written in torch ops, where kvcompress computes it instead of the model's SDPA: with the
+probabilities score-based eviction reads (``decode_attention``), from what a store holds
+(``attend_by_parts``), and a prefill's window of scores (``window_scores``).
 
 SDPA returns no probabilities, so a policy that ranks tokens by the attention they receive (H2O, TOVA,
 block eviction) would pay a second O(T) pass over the keys every decode step. For one query per row
