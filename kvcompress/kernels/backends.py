@@ -50,7 +50,7 @@ class Torch(Backend):
     def missing(self, plan, call):
         why = plan.asks_other(self.name) or _plain_decode(plan, call)
         if why or plan.form == "latent":
-            return why
+            return why or (None if plan.probs == "none" else "no probabilities from latents")
         if plan.form == "dense":
             if plan.read.mask is not None:
                 return "no mask"
@@ -105,6 +105,8 @@ class Cpu(Backend):
         why = plan.asks_other(self.name) or _plain_decode(plan, call)
         if why:
             return why
+        if plan.form == "pages" and plan.probs != "none":
+            return "no probabilities from pages read in place"
         if plan.form == "pages" and not _in_place(plan.read.key):
             return f"float32 keys with unit stride only, not {plan.read.key.dtype}"
         if plan.form == "kivi" and _scored(plan):

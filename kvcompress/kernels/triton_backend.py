@@ -90,6 +90,8 @@ class Triton(Backend):
             return _valid(r.mask, r.key.shape[1], q.shape[1])[1]
         if plan.form == "kivi" and (r.key_axis != "channel" or plan.probs != "none"):
             return "reads KIVI's own layout (keys per channel) without probabilities only"
+        if plan.form == "pages" and plan.probs != "none":
+            return "no probabilities from pages read in place"
         if plan.form in ("kivi", "pages"):
             return None
         return f"no kernel reads {plan.form}"
