@@ -108,7 +108,8 @@ def long_values(model, tok, args) -> None:
     keep = ({"span": args.span} if args.span > 1 else {}) | (
         {"unit": "chunk", "chunk_size": args.chunk} if args.chunk else {}
     )
-    record = rv.run(model, tok, cases, args.policies, args.ratios, args.record, keep)
+    modes = [{"in": True, "after": False}[m] for m in args.modes]
+    record = rv.run(model, tok, cases, args.policies, args.ratios, args.record, keep, modes)
     print(rv.write_tables(args.record, record))
 
 
@@ -121,6 +122,7 @@ def main() -> None:
     ap.add_argument("--values", type=int, default=0, help="long-value needles per setting (0: RULER docs)")
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75], help="with --values")
     ap.add_argument("--length", type=int, default=512, help="context tokens of a long-value needle")
+    ap.add_argument("--modes", nargs="+", choices=["in", "after"], default=["in", "after"], help="question")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--span", type=int, default=1, help="the score-based selectors' span (1: off)")
     ap.add_argument("--chunk", type=int, default=0, help="unit: chunk with this chunk_size (0: off)")
@@ -131,7 +133,8 @@ def main() -> None:
         import retention_values as rv
 
         after, *before = [json.loads(p.read_text()) for p in args.table]
-        print(rv.write_tables(args.table[0], after), *[rv.pairs(b, after) for b in before], sep="\n\n")
+        named = {p.name: b for p, b in zip(args.table[1:], before, strict=True)}
+        print(rv.write_tables(args.table[0], after, named))
         return
     torch.set_num_threads(1)
     model, tok = load_model()

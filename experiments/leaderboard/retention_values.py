@@ -53,12 +53,12 @@ def policy_at(name: str, ratio: float | None, prompt_tokens: int, keep: dict | N
     return dataclasses.replace(policy, **keep)
 
 
-def settings(policies: list[str], ratios: list[float]) -> list[tuple[str, float | None, bool]]:
+def settings(policies: list[str], ratios: list[float], modes=(True, False)) -> list[tuple]:
     """(policy, ratio, question_in_prompt) of every point: ``full`` once per mode, the others per ratio."""
     out = []
     for name in policies:
         for ratio in [None] if name == "full" else ratios:
-            out += [(name, ratio, True), (name, ratio, False)]
+            out += [(name, ratio, mode) for mode in modes]
     return out
 
 
@@ -66,11 +66,13 @@ def key(name: str, ratio: float | None, mode: bool) -> str:
     return f"{name}|{ratio}|{mode}"
 
 
-def run(model, tok, cases, policies, ratios, path: Path, keep: dict | None = None) -> dict:
+def run(
+    model, tok, cases, policies, ratios, path: Path, keep: dict | None = None, modes=(True, False)
+) -> dict:
     """Every setting over ``cases``; the record at ``path`` after each one (finished settings are kept)."""
     record = json.loads(path.read_text()) if path.exists() else {"settings": {}}
     record.update(meta(cases, keep))
-    stop, todo = eos_ids(model, tok), settings(policies, ratios)
+    stop, todo = eos_ids(model, tok), settings(policies, ratios, modes)
     for i, (name, ratio, mode) in enumerate(todo):
         if key(name, ratio, mode) in record["settings"]:
             continue
@@ -108,12 +110,19 @@ def write(path: Path, record: dict) -> None:
     os.replace(tmp, path)
 
 
-def write_tables(path: Path, record: dict) -> str:
-    """The tables of ``record`` (``table``, ``reach_table``, ``divergence_table``), also written next to the
-    record at ``path`` (``.md``): made from the record, never retyped."""
-    tables = "\n\n".join([table(record), reach_table(record), divergence_table(record)])
-    path.with_suffix(".md").write_text(f"<!-- made from {path.name} by retention.py -->\n{tables}\n")
-    return tables
+def write_tables(path: Path, record: dict, before: dict[str, dict] | None = None) -> str:
+    """The tables of ``record`` (``table``, ``reach_table``, ``divergence_table``; ``pairs`` against each
+    record of ``before``, by file name), also written next to the record at ``path`` (``.md``): made from
+    the records, never retyped."""
+    parts = [table(record), reach_table(record), divergence_table(record)]
+    parts += [
+        f"Paired with {name} (after - before):\n\n{pairs(b, record)}" for name, b in (before or {}).items()
+    ]
+    sources = ", ".join([path.name, *(before or {})])
+    path.with_suffix(".md").write_text(
+        f"<!-- made from {sources} by retention.py -->\n" + "\n\n".join(parts) + "\n"
+    )
+    return "\n\n".join(parts)
 
 
 def sample_numbers(s: dict, field: str = "answer_first") -> dict:
