@@ -18,12 +18,14 @@ from kvcompress.metrics.perplexity import decode_perplexity
 from kvcompress.storage.quant import quantizer as Q
 
 
-def quantized_attention_case(bits: int, group: int, te: int = 64, tr: int = 5, d: int = 16, seed: int = 0):
+def quantized_attention_case(
+    bits: int, group: int, te: int = 64, tr: int = 5, d: int = 16, seed: int = 0, key_axis: str = "channel"
+):
     """A decode query (1, 6, 1, D) over 2 KV heads: ``te`` quantized tokens then ``tr`` residual ones."""
     g = torch.Generator().manual_seed(seed)
     keys, values = torch.randn(1, 2, te + tr, d, generator=g), torch.randn(1, 2, te + tr, d, generator=g)
     keys[..., 3] += 4.0  # an outlier channel, as real keys have
-    kq = Q.quantize(keys[:, :, :te], bits, group, "channel", torch.float16)
+    kq = Q.quantize(keys[:, :, :te], bits, group, key_axis, torch.float16)
     vq = Q.quantize(values[:, :, :te], bits, group, "token", torch.float16)
     query = torch.randn(1, 6, 1, d, generator=g)
     return query, kq, vq, keys[:, :, te:], values[:, :, te:]

@@ -7,22 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import kernel_or_skip, make_tiny
+from test_fused_quant import quantized_attention_case
 
 from kvcompress import build_cache
 from kvcompress.kernels import fused_quant
 from kvcompress.metrics.compression import attention_backends
 from kvcompress.storage.quant import quantizer as Q
-
-
-def _case(bits: int, group: int, te: int = 40, tr: int = 5, d: int = 32, seed: int = 0):
-    """A decode query (1, 6, 1, D) over 2 KV heads: ``te`` tokens quantized per token, ``tr`` exact."""
-    g = torch.Generator().manual_seed(seed)
-    keys, values = torch.randn(1, 2, te + tr, d, generator=g), torch.randn(1, 2, te + tr, d, generator=g)
-    keys[..., 3] += 4.0  # an outlier channel
-    kq = Q.quantize(keys[:, :, :te], bits, group, "token", torch.float16)
-    vq = Q.quantize(values[:, :, :te], bits, group, "token", torch.float16)
-    query = torch.randn(1, 6, 1, d, generator=g)
-    return query, kq, vq, keys[:, :, te:], values[:, :, te:]
 
 
 def _reference(query, kq, vq, k_res, v_res, bits, group):
@@ -42,7 +32,7 @@ def _reference(query, kq, vq, k_res, v_res, bits, group):
 def test_scored_attention_from_token_key_codes_equals_the_dequantized_copy(bits, group, impl):
     if impl == "kernel":
         kernel_or_skip("quant_attention")
-    case = _case(bits, group)
+    case = quantized_attention_case(bits, group, te=40, d=32, key_axis="token")
     out, probs = fused_quant.attend_scored(*case[:5], 0.25, bits, group, impl, "token", True)
     want_out, want_probs = _reference(*case, bits, group)
     assert out.shape == (1, 1, 6, 32) and probs.shape == (1, 2, 1, 45) and probs.dtype == torch.float32
