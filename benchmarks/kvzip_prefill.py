@@ -5,7 +5,7 @@ context pass (``compress_context``); rounds are interleaved after a warm-up roun
 processes hits all of them alike. The pass is split by timing, from outside, the functions it calls:
 the attention of the reconstruction forwards (the backend's ``run``), the rest of those forwards
 (projections, MLP, norms, the cache hook), the score capture (``KVzipLayer.observe_attention``), the
-planning (``kvzip_budgets.plan``) and the eviction (``end_context_pass``). Prints the median ms of each
+planning (``kvzip_budgets.plan``) and the eviction (``end_pass``). Prints the median ms of each
 stage and its ratio to the plain prefill; ``kept_sha`` hashes the token indices every layer keeps, so two
 records with the same hash kept the same tokens.
 
@@ -65,8 +65,8 @@ def instrument(clock: Clock) -> None:
     """Time the pass's stages from outside: the attention backends, the score hook, plan and eviction."""
     for backend in executor.BACKENDS:
         backend.run = clock.wrap(backend.run, "pass: attention")
-    KVzipLayer.observe_attention = clock.wrap(KVzipLayer.observe_attention, "pass: score capture")
-    KVzipLayer.end_context_pass = clock.wrap(KVzipLayer.end_context_pass, "pass: eviction")
+    KVzipLayer.observe_pass = clock.wrap(KVzipLayer.observe_pass, "pass: score capture")
+    KVzipLayer.end_pass = clock.wrap(KVzipLayer.end_pass, "pass: eviction")
     kvzip_budgets.plan = clock.wrap(kvzip_budgets.plan, "pass: planning")
     select = KVzipLayer.select
 

@@ -12,7 +12,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache
 
-from kvcompress.core import attention, registry
+from kvcompress.core import attention, registry, rollback
 from kvcompress.core.buffers import storage_bytes
 from kvcompress.core.families import attention_layout
 from kvcompress.core.policy import ModelSpec, Policy
@@ -55,9 +55,9 @@ class KVCache(Cache):
 
     @property
     def is_croppable(self) -> bool:
-        """True when every layer can roll back tokens (``Rollback``). Where one never can, this raises its
-        reason instead of answering False: transformers asks before assisted decoding, and would otherwise
-        fail with a message that names neither the policy nor the cause."""
+        """True when every layer can roll back tokens (``core.rollback``). Where one never can, this raises
+        its reason instead of answering False: transformers asks before assisted decoding, and would
+        otherwise fail with a message that names neither the policy nor the cause."""
         for layer in self.layers:
             why = layer.never_crops()
             if why:
@@ -68,21 +68,9 @@ class KVCache(Cache):
         return True
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the newest ``-tokens_to_remove`` tokens from every layer, exactly (``core.rollback``), or
-        from none: every layer is asked first, and a refusal names this cache's policy, the layer and why."""
-        if tokens_to_remove >= 0:
-            return super().crop(tokens_to_remove)  # 0: nothing to remove; > 0: the layers refuse the count
-        n, layers = -tokens_to_remove, [layer for layer in self.layers if layer.is_initialized]
-        for layer in layers:
-            layer.end_deferred()  # before asking: a deferred step's flush is part of what crop would undo
-            why = layer.crop_refusal(n)
-            if why:
-                raise ValueError(
-                    f"policy {self.policy.name!r} cannot roll back its newest {n} tokens (layer "
-                    f"{layer.layer_idx}), as assisted and prompt-lookup decoding need: {why}"
-                )
-        for layer in layers:  # every layer said yes: each is cut once, not asked again
-            layer.cut(n)
+        """Remove the newest ``-tokens_to_remove`` tokens from every layer, exactly, or from none
+        (``core.rollback``: a refusal names this cache's policy, the layer and why)."""
+        rollback.crop(self, tokens_to_remove)
 
     # -- one compressed context, many questions ---------------------------------------------------
     def __deepcopy__(self, memo):

@@ -11,15 +11,13 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvcompress.core.buffers import Slots, storage_bytes, writing
-from kvcompress.core.context_mode import ContextPassMode
 from kvcompress.core.masks import cat_valid
 from kvcompress.core.plan import Dense, Plan
-from kvcompress.core.rollback import Rollback
 from kvcompress.core.storage import reorder_all
 from kvcompress.core.torch_attention import window_scores
 
 
-class PolicyLayer(ContextPassMode, Rollback, CacheLayerMixin):
+class PolicyLayer(CacheLayerMixin):
     """Stores every token (the ``full`` selector). Subclasses select in ``compress()`` (after the step's
     tokens are appended) or in ``observe_attention()`` (after attention, when ``wants_scores``)."""
 
@@ -60,9 +58,8 @@ class PolicyLayer(ContextPassMode, Rollback, CacheLayerMixin):
         # multi-token step (``end_step``): every token is encoded once, after its last chance of eviction
         self.encodes_late = policy.evicts == "prefill" and not store.keeps_exactly
         self.step_tokens = 0  # tokens of the step being stored
-        self.in_context_pass, self.pass_valid = False, None  # ContextPassMode
         self.seen = self.evicted = 0
-        # Rollback: the newest tokens stored since the eviction count was ``tail_evicted``
+        # for ``core.rollback``: the newest tokens stored since the eviction count was ``tail_evicted``
         self.tail_tokens = self.tail_evicted = 0
         self.tokens_read, self.tokens_visible = 0, 0  # over steps: read by the last query / by the model's
         self.backends_ran: dict[str, int] = {}  # attention backend -> steps it ran (``executor``)
@@ -83,8 +80,6 @@ class PolicyLayer(ContextPassMode, Rollback, CacheLayerMixin):
         ``ForwardState`` (its padding), None for a layer driven by hand."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.in_context_pass:  # a reconstruction step of the context pass: nothing is stored
-            return self.pass_update(key_states, value_states, forward)
         if self.deferred:  # the last step's attention never came: end that step now (nothing to observe)
             self.read_deferred()
             self.end_step()
@@ -127,6 +122,18 @@ class PolicyLayer(ContextPassMode, Rollback, CacheLayerMixin):
         read."""
         scores = not self.wants_scores or self.observed_probs == "last"
         return self.window is None and scores and self.probe is None and self.store.attends_codes()
+
+    def end_deferred(self) -> None:
+        """A step whose attention read codes ends now (the store's flush), before the layer is looked at from
+        outside (``core.rollback`` asks what a crop would change)."""
+        if self.deferred:
+            self.deferred = False
+            self.end_step()
+
+    def never_crops(self) -> str | None:
+        """Why this layer's selector can never roll back tokens (its state already holds every query's
+        effect), or None (``core.rollback``). Selectors whose decisions depend on decode queries say why."""
+        return None
 
     def settle(self) -> None:
         """Carry out work a step left for the next look at the layer (an eviction its attention still read);
@@ -331,9 +338,7 @@ class PolicyLayer(ContextPassMode, Rollback, CacheLayerMixin):
         """This step's plan for query (B, H, q, D) over what ``update`` returned (B, H_kv, T, D): the store's
         compact read for a step ``update`` deferred, else the dense read masked from the layer's state."""
         key, value, mask = self.attend(query, key, value)
-        # the selector's scores, never in a context pass it does not score (``ContextPassMode.observes``)
-        scored = self.wants_scores and (self.needs_context_pass or not self.in_context_pass)
-        probs = self.observed_probs if scored else "none"
+        probs = self.observed_probs if self.wants_scores else "none"
         if self.deferred:
             return Plan(self.compact_read(), probs, self.grouped_decode)
         if mask is not None:
@@ -368,9 +373,8 @@ class PolicyLayer(ContextPassMode, Rollback, CacheLayerMixin):
         what was read, give the selector its scores (``probs``: the decode query's, when the backend computed
         them) and end the step."""
         read = plan.read
-        if not self.in_context_pass:  # a context pass's reconstruction is not one of the model's steps
-            self.backends_ran[backend] = self.backends_ran.get(backend, 0) + 1
-            self.reads_ran[read.form] = self.reads_ran.get(read.form, 0) + 1
+        self.backends_ran[backend] = self.backends_ran.get(backend, 0) + 1
+        self.reads_ran[read.form] = self.reads_ran.get(read.form, 0) + 1
         compact = read.form != "dense"  # a deferred step: its codes were read, its end waited for this
         if compact:
             self.compact_done()
@@ -390,10 +394,7 @@ class PolicyLayer(ContextPassMode, Rollback, CacheLayerMixin):
         """Add a step to the read counters: ``tokens`` its last query read (an int, or a device tensor: the
         mean over rows and KV heads, read on the host only by ``stats``), at most what the model's own
         attention would read then (``visible``), which adds to ``tokens_visible``. ``full`` reads all it
-        may: its ``tokens_read`` equals ``tokens_visible`` on every family (``metrics.compression``). The
-        forwards of a context pass are not steps of the sequence: not counted."""
-        if self.in_context_pass:
-            return
+        may: its ``tokens_read`` equals ``tokens_visible`` on every family (``metrics.compression``)."""
         visible = self.seen if self.window is None else self.visible()
         read = tokens.clamp(max=visible) if isinstance(tokens, torch.Tensor) else min(tokens, visible)
         self.tokens_read, self.tokens_visible = self.tokens_read + read, self.tokens_visible + visible
@@ -406,6 +407,15 @@ class PolicyLayer(ContextPassMode, Rollback, CacheLayerMixin):
         if self.chunked:
             return (self.seen - 1) % self.window + 1
         return min(self.seen, self.window)
+
+    def pass_refusal(self) -> str | None:
+        """Why this layer cannot take part in a context pass (``runtime.context_pass``), or None."""
+        if self.window is not None and self.track:
+            return (
+                "a windowed layer whose selector evicts (apply_to=all) cannot take part in a context pass "
+                "(its window over evicted tokens is not masked there); use apply_to=full_attention"
+            )
+        return None
 
     def observe_attention(self, query, key, scaling: float, probs=None) -> None:
         """Called after attention when ``wants_scores``. ``probs`` (B, H_kv, 1, T) are the decode step's

@@ -76,8 +76,6 @@ class ReadSets:
         """``PolicyLayer.update`` hands a probe the step's exact keys and values: not needed here."""
 
     def attended(self, layer, query, key, value, mask, scaling: float, out) -> None:
-        if layer.in_context_pass:
-            return
         pos, allowed = read_set(layer, key, mask)  # (B, H_kv, T)
         self.last[layer.layer_idx] = pos[:1].masked_fill(~allowed[:1], -1)
 

@@ -19,6 +19,12 @@ import time
 from typing import NamedTuple
 
 import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from kvcompress.core import attention
+from kvcompress.core.layer import expand_heads
+from kvcompress.core.masks import cat_valid
+from kvcompress.core.plan import Dense, Plan
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."
 REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -102,22 +108,86 @@ def compress_context(model, cache, context_ids, tokenizer=None, attention_mask=N
     pads = 0 if attention_mask is None else (attention_mask == 0).sum(-1, keepdim=True).cpu()
     prompts, size = repeat_prompts(tokenizer), layers[0].policy.context_chunk
     chunks = list(reconstruction_chunks(context_ids, attention_mask, prompts, size))
-    for layer in cache.layers:  # the others (the model's window on windowed layers) store nothing either
-        layer.begin_context_pass()
+    held = cache.layers
+    cache.layers = [PassView(layer) for layer in held]  # every layer sees the pass; none stores it
     try:
+        for layer in layers:
+            layer.begin_pass()
         for ids, valid in chunks:
             _reconstruct(model, cache, ids, valid, seen - pads)
     except BaseException:
-        for layer in cache.layers:
-            layer.end_context_pass(evict=False)
+        for layer in layers:
+            layer.end_pass(evict=False)
         raise
+    finally:
+        cache.layers = held
     from kvcompress.selectors.eviction.kvzip_budgets import plan
 
-    keeps = dict(zip(map(id, layers), plan(layers), strict=True))
-    for layer in cache.layers:
-        layer.end_context_pass(keep=keeps.get(id(layer)))
+    for layer, keep in zip(layers, plan(layers), strict=True):
+        layer.end_pass(keep=keep)
     seconds = time.perf_counter() - start
     return {"context_pass": True, "context_pass_s": seconds, "context_chunks": len(chunks)}
+
+
+class PassView(CacheLayerMixin):
+    """One cache layer during a context pass: each reconstruction forward reads what the layer holds followed
+    by the forward's own keys and values, masked as the model would (causal, within its window), and the
+    layer stores none of it. Its selector acts on the pass only when it scores it (``needs_context_pass``:
+    ``observe_pass`` gets each forward's attention); for every other layer (the model's own window on
+    Gemma-3, a ``full`` layer of a schedule) the pass is not one of its steps: nothing counted, no scores.
+    Everything else (lengths, mask sizes) is the layer's own."""
+
+    def __init__(self, layer):
+        if not layer.is_initialized:
+            raise RuntimeError("compress_context needs a prefilled cache (no tokens stored yet)")
+        why = layer.pass_refusal()
+        if why:
+            raise ValueError(f"layer {layer.layer_idx}: {why}")
+        self.layer, self.valid = layer, None
+        self.scores = getattr(layer, "needs_context_pass", False)
+
+    def __getattr__(self, name):
+        return getattr(self.layer, name)
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        """Never needed: a pass runs over prefilled layers only."""
+
+    def get_seq_length(self) -> int:
+        return self.layer.get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.layer.get_mask_sizes(query_length)
+
+    def get_max_length(self) -> int:
+        return self.layer.get_max_length()
+
+    def update(self, key_states, value_states, *args, positions=None, forward=None, **kwargs):
+        """A reconstruction step (B, H_kv, q, D): what the layer holds then the step's own tokens; ``valid``
+        keeps the keys' validity (B, h, T + q) and the queries' (B, q) or None for ``observe_pass``."""
+        layer = self.layer
+        keys, values = layer.store.read()  # (B, H_kv, T, D): what the context left, nothing appended
+        b, _, q, _ = key_states.shape
+        queries = attention.validity(forward, b, q, key_states.device)
+        valid = cat_valid(layer.valid, queries, keys.shape[-2], b, q, key_states.device)
+        layer._view = (keys.shape[-2] + q, valid, None)  # causal among the pass tokens, after the context
+        self.valid = (valid, queries)
+        return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
+
+    def plan(self, query, key, value) -> Plan:
+        """The dense read of ``update``'s keys/values (B, H_kv, T + q, D) under the layer's own mask."""
+        mask = expand_heads(self.layer.attention_mask(query.shape[2]), query.shape[1])
+        probs = self.layer.observed_probs if self.scores else "none"
+        return Plan(Dense(key, value, mask), probs, self.layer.grouped_decode)
+
+    def attended(self, plan: Plan, call, out, probs, backend: str) -> None:
+        """A scoring layer sees this forward's attention (``probs``: each query's log-sum-exp, or None)."""
+        if self.scores:
+            keys_valid, queries_valid = self.valid
+            self.layer.observe_pass(call.query, plan.read.key, call.scaling, probs, keys_valid, queries_valid)
+        self.valid = None
+
+    def never_crops(self) -> str | None:
+        return "a context pass is running"
 
 
 def _reconstruct(model, cache, ids, valid, first_position) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvcompress.core import rollback
 from kvcompress.harness.docgen.catalog import names
 from kvcompress.harness.report import markdown_table
 
@@ -34,7 +35,7 @@ def _crop(layers) -> str:
     refusals = {layer.never_crops() for layer in layers} - {None}
     if refusals:
         return "refused: " + "; ".join(sorted(refusals))
-    conditions = list(dict.fromkeys(c for layer in layers for c in layer.crop_conditions()))
+    conditions = list(dict.fromkeys(c for layer in layers for c in rollback.conditions(layer)))
     return "yes" + (", while " + "; ".join(conditions) if conditions else "")
 
 

@@ -215,15 +215,15 @@ class AdaptiveHeads:
         if self.flat:
             self.head_of = self.head_of.index_select(0, beam_idx.to(self.head_of.device))
 
-    def crop_refusal(self, n: int) -> str | None:
+    def never_crops(self) -> str | None:
         if self.flat:
             return "its heads keep different numbers of tokens (adaptive: true); crop is not written for that"
-        return super().crop_refusal(n)
+        return super().never_crops()
 
-    def begin_context_pass(self) -> None:
+    def pass_refusal(self) -> str | None:
         if self.flat:
-            raise ValueError(f"{self.policy.name}.adaptive=true: a second context pass is not supported")
-        super().begin_context_pass()
+            return f"{self.policy.name}.adaptive=true: a second context pass is not supported"
+        return super().pass_refusal()
 
     def reset(self) -> None:
         super().reset()

@@ -25,13 +25,14 @@ SCOPES = ("layer", "model")
 
 
 class KVzipLayer(EvictionLayer):
-    """Between ``begin_context_pass`` and ``end_context_pass`` the layer is in reconstruction mode
-    (``ContextPassMode``: the reconstruction's tokens never enter the cache) and ``observe_attention``
-    keeps the running maximum ``pass_scores`` (B, H_kv, T) float32, freed when the pass ends."""
+    """Scores the context pass (``kvcompress.runtime.context_pass``, whose forwards never enter the cache):
+    between ``begin_pass`` and ``end_pass``, ``observe_pass`` keeps the running maximum ``pass_scores``
+    (B, H_kv, T) float32, freed when the pass ends. Outside a pass it stores and reads as ``full`` does."""
 
     needs_context_pass = True
+    wants_scores = False  # no scores at decode: the context pass is its only look at attention
     # decode attends as the other eviction layers do (grouped by KV head, no repeated keys; its speed against
-    # SDPA is measured in experiments/fused/README.md); no scores are needed after the context pass
+    # SDPA is measured in experiments/fused/README.md)
     grouped_decode = True
     # the pass's attention hands back each query's log-sum-exp where its kernel has it (SDPA on a CPU), so
     # the scores need no softmax of their own (``kvzip_scores``)
@@ -42,29 +43,20 @@ class KVzipLayer(EvictionLayer):
         self.pass_scores: torch.Tensor | None = None
         self.context_passes = 0
 
-    @property
-    def wants_scores(self) -> bool:
-        return self.pass_scores is not None
-
     def reset(self) -> None:
         super().reset()
         self.pass_scores, self.context_passes = None, 0
 
-    def begin_context_pass(self) -> None:
-        super().begin_context_pass()
+    def begin_pass(self) -> None:
         self.pass_scores = torch.zeros(*self.store.read()[0].shape[:3], device=self.device)
 
-    def observe_attention(self, query, key, scaling: float, probs=None) -> None:
-        """``probs``: each query's log-sum-exp (B, H, q) from the attention, or None."""
+    def observe_pass(self, query, key, scaling: float, lse, keys_valid, queries_valid) -> None:
+        """One reconstruction forward: query (B, H, q, D) over key (B, H_kv, T + q, D) with validity
+        ``keys_valid`` (B, h, T + q) and ``queries_valid`` (B, q) or None; ``lse``: each query's log-sum-exp
+        (B, H, q) from the attention, or None."""
         stored = self.pass_scores.shape[-1]
-        keys_valid, queries_valid = self.pass_valid
-        top = max_attention(query, key, scaling, stored, keys_valid, queries_valid, lse=probs)
-        self.pass_valid = None
+        top = max_attention(query, key, scaling, stored, keys_valid, queries_valid, lse=lse)
         torch.maximum(self.pass_scores, top, out=self.pass_scores)
-
-    def end_step(self) -> None:
-        if self.pass_scores is None:  # a reconstruction step stored nothing: nothing to flush
-            super().end_step()
 
     def context_scores(self) -> torch.Tensor:
         """This pass's scores (B, H_kv, T) for planning: sinks +inf (kept first), padding -inf."""
@@ -76,10 +68,9 @@ class KVzipLayer(EvictionLayer):
             scores.masked_fill_(~self.valid, -math.inf)
         return scores
 
-    def end_context_pass(self, evict: bool = True, keep: int | None = None) -> None:
+    def end_pass(self, evict: bool = True, keep: int | None = None) -> None:
         """Evict to ``keep`` tokens per head (default: the target) by the reconstruction scores; the first
         ``sink_tokens`` real tokens stay. ``evict=False`` (a failed pass) leaves the prefill's cache."""
-        super().end_context_pass()
         scores, self.pass_scores = self.pass_scores, None
         if not evict:
             return

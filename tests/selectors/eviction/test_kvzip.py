@@ -16,7 +16,13 @@ from kvcompress import build_cache, compress_context, make_policy
 from kvcompress.core.buffers import storage_bytes
 from kvcompress.core.policy import ModelSpec
 from kvcompress.core.registry import make_storage
-from kvcompress.runtime.context_pass import Prompts, needs_context_pass, prefill, reconstruction_chunks
+from kvcompress.runtime.context_pass import (
+    PassView,
+    Prompts,
+    needs_context_pass,
+    prefill,
+    reconstruction_chunks,
+)
 from kvcompress.selectors import KVzipPolicy
 
 D = 16
@@ -39,23 +45,23 @@ def chunk_queries(logits: dict) -> torch.Tensor:
 
 def reconstruct(layer, start: int, q: torch.Tensor) -> None:
     """One reconstruction chunk: its keys (tokens start, start + 1) and queries, as the model would."""
-    keys, _ = layer.update(onehot(start, start + 2), onehot(start, start + 2))
-    layer.observe_attention(q, keys, 1.0)
-    layer.end_step()
+    view = PassView(layer)
+    keys, _ = view.update(onehot(start, start + 2), onehot(start, start + 2))
+    layer.observe_pass(q, keys, 1.0, None, *view.valid)
 
 
 def test_keeps_the_pairs_with_the_highest_max_attention_per_kv_group_plus_sinks():
     layer = KVzipPolicy(budget=4, compression_ratio=None, sink_tokens=1).layer(0, SPEC)
     layer.update(onehot(0, 12), onehot(0, 12))  # the context's prefill: 12 tokens
     layer.end_step()
-    layer.begin_context_pass()
+    layer.begin_pass()
     # group 0: one strong hit each on 3, 7 and 9. Group 1: token 5 is hit once, hard; tokens 10 and 11
     # are attended moderately by three queries: the max rule keeps 5 (a sum rule would prefer 10, 11)
     reconstruct(layer, 12, chunk_queries({(0, 0): {3: 8.0}, (1, 1): {7: 9.0}, (2, 0): {5: 10.0}}))
     many = {10: 2.0, 11: 1.5}
     reconstruct(layer, 12, chunk_queries({(0, 1): {9: 6.0}, (2, 1): many, (3, 0): many, (3, 1): many}))
     assert layer.stored_length() == 12 and layer.seen == 12  # reconstruction tokens were never stored
-    layer.end_context_pass()
+    layer.end_pass()
     kept = layer.keys.argmax(-1).tolist()
     assert kept == [[[0, 3, 7, 9], [0, 5, 10, 11]]]
     assert layer.seen == 12 and layer.evicted == 8 and layer.pass_scores is None
@@ -65,11 +71,11 @@ def test_max_over_a_group_not_the_mean():
     layer = KVzipPolicy(budget=2, compression_ratio=None, sink_tokens=0).layer(0, SPEC)
     layer.update(onehot(0, 12), onehot(0, 12))
     layer.end_step()
-    layer.begin_context_pass()
+    layer.begin_pass()
     spread = {4: 1.0, 6: 0.5}
     q = {(0, 0): {2: 9.0}, (0, 1): spread, (1, 0): spread, (1, 1): spread}
     reconstruct(layer, 12, chunk_queries({**q, (2, 0): {8: 9.0}}))
-    layer.end_context_pass()
+    layer.end_pass()
     assert layer.keys.argmax(-1).tolist()[0][0] == [2, 4]
 
 
@@ -157,7 +163,7 @@ def test_layers_of_other_selectors_in_a_schedule_store_none_of_the_pass(model, o
     before = {k: v for k, v in cache.layers[0].stats().items() if k != "bytes"}
     assert compress_context(model, cache, _ids(8))["context_pass"] is True
     assert {k: v for k, v in cache.layers[0].stats().items() if k != "bytes"} == before
-    assert cache.layers[0].stored_length() == 8 and not cache.layers[0].in_context_pass
+    assert cache.layers[0].stored_length() == 8 and not isinstance(cache.layers[0], PassView)
     assert all(layer.stored_length() == 4 for layer in cache.layers[1:])
 
 

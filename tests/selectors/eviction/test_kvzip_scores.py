@@ -89,7 +89,7 @@ def _pass_scores(model, ids, mask, probs: str, monkeypatch):
     cache = build_cache("kvzip", model, compression_ratio=0.5, context_chunk=16)
     model(ids, attention_mask=mask, cache=cache)
     found, used = [], []
-    end, attention_with_lse = KVzipLayer.end_context_pass, flash_lse.attention_with_lse
+    end, attention_with_lse = KVzipLayer.end_pass, flash_lse.attention_with_lse
 
     def ending(self, *args, **kwargs):
         found.append(self.pass_scores.clone())
@@ -97,7 +97,7 @@ def _pass_scores(model, ids, mask, probs: str, monkeypatch):
 
     with monkeypatch.context() as m:
         m.setattr(KVzipLayer, "observed_probs", probs)
-        m.setattr(KVzipLayer, "end_context_pass", ending)
+        m.setattr(KVzipLayer, "end_pass", ending)
         spy = [lambda *a: used.append(1) or attention_with_lse(*a)]  # the executor's SDPA asks this slot
         m.setitem(kernel_slots._LENT, "sdpa_lse", spy)
         compress_context(model, cache, ids, attention_mask=mask)
