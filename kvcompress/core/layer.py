@@ -30,6 +30,7 @@ class PolicyLayer(CacheLayerMixin):
     per_token: tuple[str, ...] = ()  # (B, 1 or H_kv, T) tensors aligned with the stored tokens
     per_row: tuple[str, ...] = ()  # (B, ...) tensors
     deferred = False  # this step's attention reads the store's compact form (``plan``), not a dense copy
+    open = False  # this step ends after its attention (``attended``): its selector observes, or it deferred
     # the step's attention reads every stored token as stored (no selection of reads, no eviction inside the
     # step), so the store's compact form can serve a decode step; False where ``compress``/``attend`` select
     reads_as_stored = True
@@ -58,6 +59,7 @@ class PolicyLayer(CacheLayerMixin):
         # multi-token step (``end_step``): every token is encoded once, after its last chance of eviction
         self.encodes_late = policy.evicts == "prefill" and not store.keeps_exactly
         self.step_tokens = 0  # tokens of the step being stored
+        self.deferred = self.open = False  # the step's read and end (class attributes above)
         self.seen = self.evicted = 0
         # for ``core.rollback``: the newest tokens stored since the eviction count was ``tail_evicted``
         self.tail_tokens = self.tail_evicted = 0
@@ -80,9 +82,8 @@ class PolicyLayer(CacheLayerMixin):
         ``ForwardState`` (its padding), None for a layer driven by hand."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.deferred:  # the last step's attention never came: end that step now (nothing to observe)
-            self.read_deferred()
-            self.end_step()
+        if self.open:  # the last step's attention never came: end that step now (nothing to observe)
+            self.end_deferred()
         if self.probe is not None:
             self.probe.stored(self, key_states, value_states)
         b, _, q, _ = key_states.shape
@@ -103,7 +104,8 @@ class PolicyLayer(CacheLayerMixin):
         self.tail_tokens += q
         if self.reads_as_stored and self.store.compact and q == 1 and self.valid is None and self._defers():
             total = self.stored_length()
-            self.deferred, self._view = True, (total, None, None)
+            self.deferred = self.open = True
+            self._view = (total, None, None)
             return _unread(key_states, total), _unread(value_states, total)
         keys, values = self.store.read()
         self._view = (keys.shape[-2], self.valid, None if self.probe_only_pos else self.pos)
@@ -111,7 +113,8 @@ class PolicyLayer(CacheLayerMixin):
             self.read_pos = self.pos
         if self.compress is not None:
             self.compress(keys, values)
-        if not self.wants_scores:
+        self.open = self.wants_scores
+        if not self.open:
             self.end_step()
         return keys, values
 
@@ -124,10 +127,10 @@ class PolicyLayer(CacheLayerMixin):
         return self.window is None and scores and self.probe is None and self.store.attends_codes()
 
     def end_deferred(self) -> None:
-        """A step whose attention read codes ends now (the store's flush), before the layer is looked at from
-        outside (``core.rollback`` asks what a crop would change)."""
-        if self.deferred:
-            self.deferred = False
+        """An open step ends now (the store's flush), its attention never came: before the next step, or
+        before the layer is looked at from outside (``core.rollback`` asks what a crop would change)."""
+        self.deferred = False  # a compact read that never ran
+        if self.open:
             self.end_step()
 
     def never_crops(self) -> str | None:
@@ -140,9 +143,12 @@ class PolicyLayer(CacheLayerMixin):
         called before the layer is copied or saved."""
 
     def end_step(self) -> None:
-        """After the step's last decision: the storage compresses what waited (quantize, project); with
-        ``encodes_late``, only after a one-token step (the prompt's parts stay exact while they may be
-        evicted: KIVI's per-channel key groups would otherwise be quantized again at every eviction)."""
+        """The one end of every step, after its last decision: the storage compresses what waited (quantize,
+        project); with ``encodes_late``, only after a one-token step (the prompt's parts stay exact while they
+        may be evicted: KIVI's per-channel key groups would otherwise be quantized again at every eviction).
+        A step ends in ``update`` when nothing after its attention concerns it, else (``open``) in
+        ``attended``, or from ``end_deferred`` when its attention never came."""
+        self.open = False
         if self.store.flush is not None and not (self.encodes_late and self.step_tokens > 1):
             self.store.flush(self.valid)
 
@@ -186,7 +192,7 @@ class PolicyLayer(CacheLayerMixin):
         self.tail_tokens = self.tail_evicted = 0
         self.tokens_read, self.tokens_visible = 0, 0
         self.backends_ran, self.reads_ran = {}, {}
-        self.deferred = False
+        self.deferred = self.open = False
         for name in self.per_token + self.per_row:
             setattr(self, name, None)
         self.is_initialized = False
@@ -360,29 +366,25 @@ class PolicyLayer(CacheLayerMixin):
         self.deferred = False
 
     def dense_plan(self, plan: Plan) -> Plan:
-        """The deferred step of ``plan`` as a dense read, where no backend reads its compact form. A step
-        whose selector asks for no scores ends here, after the read (its attention still sees its tokens
-        unquantized); a scored one after its selector has seen them (``attended``)."""
+        """The deferred step of ``plan`` as a dense read, where no backend reads its compact form (its
+        attention sees the same tokens; the step still ends in ``attended``)."""
         key, value = self.read_deferred()
-        if plan.probs == "none":
-            self.end_step()
         return Plan(Dense(key, value, None), plan.probs, plan.grouped)
 
     def attended(self, plan: Plan, call, out, probs, backend: str) -> None:
-        """After attention: count what ran (``backend``, the read's form), end a compact step, show the probe
-        what was read, give the selector its scores (``probs``: the decode query's, when the backend computed
-        them) and end the step."""
+        """After attention: count what ran (``backend``, the read's form), show the probe what was read, give
+        the selector its scores (``probs``: the decode query's, when the backend computed them) and end the
+        step if it waited for this (``open``)."""
         read = plan.read
         self.backends_ran[backend] = self.backends_ran.get(backend, 0) + 1
         self.reads_ran[read.form] = self.reads_ran.get(read.form, 0) + 1
-        compact = read.form != "dense"  # a deferred step: its codes were read, its end waited for this
-        if compact:
+        if read.form != "dense":  # a deferred step: its codes (or pages) were read in place
             self.compact_done()
         elif self.probe is not None:  # fidelity diagnostics, before any eviction
             self.probe.attended(self, call.query, read.key, read.value, read.mask, call.scaling, out)
         if plan.probs != "none":  # the decode query's probabilities (a compact read's backend returns them)
             self.observe_attention(call.query, getattr(read, "key", None), call.scaling, probs)
-        if compact or plan.probs != "none":
+        if self.open:
             self.end_step()
 
     def attend(self, query, key, value):

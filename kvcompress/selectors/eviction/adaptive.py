@@ -188,7 +188,8 @@ class AdaptiveHeads:
         self.seen, self.step_tokens = self.seen + q, q
         keys, values = self.store.read()
         self._view = (keys.shape[-2], None, None)
-        if not self.wants_scores:
+        self.open = self.wants_scores
+        if not self.open:
             self.end_step()
         return keys.expand(b, h, -1, d), values.expand(b, h, -1, d)
 
