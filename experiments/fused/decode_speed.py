@@ -49,6 +49,8 @@ CONTENDERS = {
     "int8": ("quant", {"bits": 8, "backend": "torch"}),
     "int4_unfused": ("quant", {"bits": 4, "backend": "dense"}),
     "int4_kernel": ("quant", {"bits": 4, "backend": "cpu"}),  # the C++ kernel: what "auto" is on a CPU now
+    # int4 with per-token key groups (the layout eviction over int4 needs), backend auto: the C++ kernel
+    "int4_token": ("quant", {"bits": 4, "key_axis": "token"}),
     "int8_kernel": ("quant", {"bits": 8, "backend": "cpu"}),
     "int2_kernel": ("quant", {"bits": 2, "backend": "cpu"}),
     "block_sparse_0.25": ("block_sparse", {"read_ratio": 0.25}),  # auto: pages read in place (C++ kernel)
@@ -77,7 +79,7 @@ CONTENDERS = {
     "low_rank_32_post": ("low_rank", {"rank": 32, "keys": "post_rope", "backend": "torch"}),
     "low_rank_32_post_off": ("low_rank", {"rank": 32, "keys": "post_rope", "backend": "dense"}),
 }
-REPLAYABLE = {"int4", "int8", "int4_unfused", "block_sparse_0.25", "block_sparse_0.25_gather"} | {
+REPLAYABLE = {"int4", "int8", "int4_unfused", "int4_token", "block_sparse_0.25", "block_sparse_0.25_gather"} | {
     n for n in CONTENDERS if "low_rank" in n or "kernel" in n
 }
 
