@@ -79,9 +79,8 @@ CONTENDERS = {
     "low_rank_32_post": ("low_rank", {"rank": 32, "keys": "post_rope", "backend": "torch"}),
     "low_rank_32_post_off": ("low_rank", {"rank": 32, "keys": "post_rope", "backend": "dense"}),
 }
-REPLAYABLE = {"int4", "int8", "int4_unfused", "int4_token", "block_sparse_0.25", "block_sparse_0.25_gather"} | {
-    n for n in CONTENDERS if "low_rank" in n or "kernel" in n
-}
+REPLAYABLE = {"int4", "int8", "int4_unfused", "int4_token", "block_sparse_0.25", "block_sparse_0.25_gather"}
+REPLAYABLE |= {n for n in CONTENDERS if "low_rank" in n or "kernel" in n}
 
 
 @torch.inference_mode()
