@@ -2,7 +2,7 @@
 # Speed on the embedded model (SmolLM2-135M, float32, CPU, one thread per process): the decode ratio of the
 # C++ quant kernel and the other compressed caches to full, lm-eval batching, the 1k-8k scaling table, and
 # kvzip's context pass stage by stage.
-# `bash experiments/speed/run.sh [decode|paired|evict|lm_eval|scaling|kvzip]` (all by default); resumable:
+# `bash experiments/speed/run.sh [decode|paired|evict|lm_eval|scaling|kvzip|step]` (all by default); resumable:
 # finished records are skipped. Records: experiments/speed/runs/<name>/results.json (decode:
 # experiments/fused/decode_4k_kernel.json).
 set -euo pipefail
@@ -115,5 +115,14 @@ if [[ $what == all || $what == kvzip ]]; then
   # every chunk query over every key, per layer and chunk)
   done_ok $R/kvzip_pass_after/results.json || $PY benchmarks/kvzip_prefill.py --repeats 5 --label after \
     --out $R/kvzip_pass_after
+fi
+if [[ $what == all || $what == step ]]; then
+  # the decode step's weight: DynamicCache, full, int4 (per-channel and per-token keys), h2o and tova at 0.5 over
+  # dense and over int4, at 512, 4k and 8k (8000: the context must also hold the decoded tokens), paired
+  S=experiments/speed/decode_step
+  for n in 512 4096 8000; do
+    [ -f $S/composed_$n.json ] || $PY experiments/fused/decode_speed.py $S/composed_$n.json $n 5 8 --paired \
+      full dynamic int4_kernel int4_token h2o_0.5 tova_0.5 h2o_0.5_int4 tova_0.5_int4
+  done
 fi
 $PY scripts/collect.py $R || true
