@@ -76,14 +76,15 @@ class Slots:
         self._owned.clear()
 
     def _adopt(self, name: str, buf: torch.Tensor, dim: int) -> None:
-        self._owned[name] = (buf.untyped_storage().data_ptr(), dim % buf.dim(), buf.shape, buf.stride())
+        """Record ``buf``, a fresh buffer (its first element at its storage's start), as ``name``'s."""
+        self._owned[name] = (buf.data_ptr(), dim % buf.dim(), buf.shape, buf.stride())
 
     def _alloc(self, name: str, like: torch.Tensor, n: int, dim: int = 2) -> torch.Tensor:
         """A buffer shaped like ``like`` with ``n`` entries and their headroom along ``dim``, owned here."""
         shape = list(like.shape)
         shape[dim] = n + n // SPARE  # ``headroom(n)``, here on the decode step's path
         buf = torch.empty(shape, dtype=like.dtype, device=like.device)
-        self._owned[name] = (buf.untyped_storage().data_ptr(), dim % buf.dim(), buf.shape, buf.stride())
+        self._owned[name] = (buf.data_ptr(), dim % buf.dim(), buf.shape, buf.stride())
         return buf
 
     def owns(self, name: str, x: torch.Tensor) -> bool:
@@ -111,24 +112,25 @@ class Slots:
                 raise TypeError(f"Slots.grow({name!r}): the first entries must be a tensor, not {new!r}")
             return self.store(name, new)
         dim = dim % x.dim()
-        n, q = x.shape[dim], new.shape[dim] if isinstance(new, torch.Tensor) else q
-        # room: ``x`` is a leading slice along ``dim`` of the buffer recorded as ``name``, q entries free
+        shape, stride = x.shape, x.stride()
+        n, q = shape[dim], new.shape[dim] if isinstance(new, torch.Tensor) else q
+        # room: ``x`` starts at the address of the buffer recorded as ``name`` with its strides (a leading
+        # slice of it along ``dim``; a view also cut along another dim at offset 0 grows within its own
+        # slots), and q entries are free
         owned = self._owned.get(name)
         if (
             owned is not None
-            and x.untyped_storage().data_ptr() == owned[0]
-            and not x.storage_offset()
             and dim == owned[1]
-            and x.stride() == owned[3]
-            and x.shape[:dim] == owned[2][:dim]
-            and x.shape[dim + 1 :] == owned[2][dim + 1 :]
             and owned[2][dim] - n >= q
+            and x.data_ptr() == owned[0]
+            and stride == owned[3]
         ):
-            out = x.as_strided((*x.shape[:dim], n + q, *x.shape[dim + 1 :]), x.stride())
+            out = x.as_strided((*shape[:dim], n + q, *shape[dim + 1 :]), stride)
+            tail = x.as_strided((*shape[:dim], q, *shape[dim + 1 :]), stride, n * stride[dim])
         else:
             out = self._alloc(name, x, n + q, dim).narrow(dim, 0, n + q)
             out.narrow(dim, 0, n).copy_(x)
-        tail = out.narrow(dim, n, q)
+            tail = out.narrow(dim, n, q)
         inference = out.is_inference()  # a buffer made under inference mode (a context pass) may grow outside
         if torch.is_inference_mode_enabled() != inference or torch.is_grad_enabled():
             with _mode(inference):
