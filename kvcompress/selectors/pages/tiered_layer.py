@@ -35,6 +35,15 @@ class TieredLayer(PolicyLayer):
         self._ahead = self._next_store(kwargs.get("forward"))
         return super().update(key_states, value_states, *args, **kwargs)
 
+    def pass_refusal(self) -> str | None:
+        """A context pass reads what a layer holds densely (``runtime.context_pass``): not cold pages."""
+        if self.store.cold_pages:
+            return (
+                f"tiered holds {self.store.cold_pages} cold pages, which a context pass (kvzip in the same "
+                "schedule) would not read; give the tiered layers a recent window that covers the context"
+            )
+        return super().pass_refusal()
+
     def _next_store(self, state):
         cache = getattr(state, "cache", None)
         layers = getattr(cache, "layers", ())

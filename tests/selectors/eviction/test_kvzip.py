@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import STORAGE_VARIANTS, make_tiny
+from conftest import STORAGE_VARIANTS, make_tiny, small
 from helpers import held_tensors
 from transformers import DynamicCache
 
@@ -286,3 +286,14 @@ def test_decode_after_the_context_pass_attends_grouped_with_sdpas_logits(model):
         grouped = sum(layer.backends_ran.get("torch", 0) for layer in cache.layers) - before
         assert grouped == (4 * len(cache.layers) if mode else 0)
     torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
+
+
+def test_a_context_pass_refuses_a_tiered_layer_holding_cold_pages(model):
+    """The pass reads what each layer holds densely; a tiered layer's cold pages are not in that read, so a
+    schedule of kvzip and tiered is refused there by name, not reconstructed over the hot tokens only."""
+    cache = build_cache(small("tiered"), model)
+    with torch.inference_mode():
+        model(_ids(40), cache=cache)
+    assert cache.layers[0].store.cold_pages > 0
+    with pytest.raises(ValueError, match=r"layer 0: tiered holds \d+ cold pages"):
+        PassView(cache.layers[0])
