@@ -82,7 +82,7 @@ class PolicyLayer(CacheLayerMixin):
         ``ForwardState`` (its padding), None for a layer driven by hand."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.open:  # the last step's attention never came: end that step now (nothing to observe)
+        if self.open or self.deferred:  # the last step's attention never came: end it now
             self.end_deferred()
         if self.probe is not None:
             self.probe.stored(self, key_states, value_states)
