@@ -146,7 +146,9 @@ class PassView(CacheLayerMixin):
         self.layer, self.valid = layer, None
         self.scores = getattr(layer, "needs_context_pass", False)
 
-    def __getattr__(self, name):
+    def __getattr__(self, name):  # what the view does not define is the layer's (not before it has one)
+        if name == "layer":
+            raise AttributeError(name)
         return getattr(self.layer, name)
 
     def lazy_initialization(self, key_states, value_states) -> None:
