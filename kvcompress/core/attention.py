@@ -1,4 +1,5 @@
-"""The one place that hooks attention (with ``cache.py``, the only code touching transformers internals).
+"""The one place that hooks attention (with ``cache.py`` and the layer's ``update``, the only code touching
+transformers internals).
 
 transformers builds one mask for all layers from the first layer's sizes and the 2D padding mask. After
 eviction, per-layer budgets or per-head lengths, that mask is wrong, so a registered attention function
@@ -93,8 +94,8 @@ KEY = "kvcompress_forward"  # the keyword argument that carries the state throug
 
 class ForwardState:
     """One forward's padding (``attention_mask`` (B, T) with 0 for padding, or None when every token is
-    real) and the layers whose ``update`` ran and whose attention has not run yet (``pending``: the cache
-    puts a layer there when it stored, the attention function takes it out)."""
+    real) and the layers whose ``update`` ran and whose attention has not run yet (``pending``: a layer
+    puts itself there when it stored, the attention function takes it out)."""
 
     def __init__(self, attention_mask: torch.Tensor | None = None, cache=None):
         if attention_mask is not None and (

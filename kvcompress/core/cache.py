@@ -16,7 +16,6 @@ from kvcompress.core import attention, registry, rollback
 from kvcompress.core.buffers import storage_bytes
 from kvcompress.core.families import attention_layout
 from kvcompress.core.policy import ModelSpec, Policy
-from kvcompress.core.profiling import TIMER
 from kvcompress.core.registry import CONF_DIR
 
 __all__ = ["CONF_DIR", "KVCache", "build_cache", "known_policies", "known_storages", "make_policy"]
@@ -31,19 +30,6 @@ class KVCache(Cache):
         super().__init__(layers=layers)
         self.policy = policy
         self._model = None if model is None else weakref.ref(model)  # for save(): its fingerprint
-
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        layer, extra = self.layers[layer_idx], kwargs.get("kwargs")
-        state = extra.get(attention.KEY) if isinstance(extra, dict) else None
-        pos = _positions(key_states, args, kwargs)
-        if TIMER.enabled:
-            TIMER.start()
-        keys, values = layer.update(key_states, value_states, positions=pos, forward=state)
-        if TIMER.enabled:
-            TIMER.stop()
-        if state is not None:  # the attention function that follows takes it
-            state.pending[layer_idx] = layer
-        return keys, values
 
     def memory_bytes(self) -> int:
         """Every byte the cache holds (distinct storages over all layers), metadata included."""
@@ -106,16 +92,6 @@ def fork(cache: KVCache) -> KVCache:
         if hasattr(layer.store, "slots"):
             layer.store.slots.clear()
     return new
-
-
-def _positions(keys, args, kwargs):
-    """The ``position_ids`` (B or 1, q) the model rotated this step's keys at, when its attention passed
-    them to ``update`` (transformers 5.x: ``kwargs=...``); None otherwise (then consecutive positions)."""
-    for extra in (kwargs.get("kwargs"), kwargs.get("cache_kwargs"), *args):
-        pos = extra.get("position_ids") if isinstance(extra, dict) else None
-        if isinstance(pos, torch.Tensor) and pos.ndim == 2 and pos.shape[-1] == keys.shape[2]:
-            return pos
-    return None
 
 
 def known_policies() -> list[str]:

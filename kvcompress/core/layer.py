@@ -10,9 +10,11 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kvcompress.core import attention
 from kvcompress.core.buffers import Slots, storage_bytes, writing
 from kvcompress.core.masks import cat_valid
 from kvcompress.core.plan import Dense, Plan
+from kvcompress.core.profiling import TIMER
 from kvcompress.core.storage import reorder_all
 from kvcompress.core.torch_attention import window_scores
 
@@ -76,7 +78,20 @@ class PolicyLayer(CacheLayerMixin):
         self.is_initialized = True
 
     # -- the transformers contract -------------------------------------------------------------
-    def update(self, key_states, value_states, *args, positions=None, forward=None, **kwargs):
+    def update(self, key_states, value_states, *args, **kwargs):
+        """transformers' ``Cache.update`` of this layer: this step's keys/values (B, H_kv, q, D) and what the
+        model's attention passed with them (``step_inputs``). Stores them (``step``) and hands this layer to
+        the attention function that follows (the forward's ``pending``); returns what that attention must
+        see."""
+        positions, forward = step_inputs(key_states, args, kwargs)
+        if forward is not None:
+            forward.pending[self.layer_idx] = self
+        if TIMER.enabled:  # policy time (the benchmark's), around the step only
+            with TIMER.measure():
+                return self.step(key_states, value_states, positions, forward)
+        return self.step(key_states, value_states, positions, forward)
+
+    def step(self, key_states, value_states, positions=None, forward=None):
         """Store this step's keys/values (B, H_kv, q, D); return what this step's attention must see.
         ``positions``: the model's ``position_ids`` (B or 1, q) or None; ``forward``: this forward's
         ``ForwardState`` (its padding), None for a layer driven by hand."""
@@ -480,6 +495,23 @@ def _unread(states: torch.Tensor, total: int) -> torch.Tensor:
     return torch.full((1, 1, 1, 1), float("nan"), dtype=states.dtype, device=states.device).expand(
         b, h, total, d
     )
+
+
+def step_inputs(keys: torch.Tensor, args: tuple, kwargs: dict) -> tuple[torch.Tensor | None, object]:
+    """What an ``update`` call carries besides keys/values: the model's ``position_ids`` (B or 1, q) the
+    step's keys were rotated at, and this forward's ``ForwardState`` (``attention.KEY``), each None where
+    absent. transformers 5.x passes the attention's keyword arguments as ``kwargs=...`` (older releases a
+    ``cache_kwargs`` dict, positionally or by name); a layer driven by hand names ``positions=`` and
+    ``forward=``."""
+    positions, forward = kwargs.get("positions"), kwargs.get("forward")
+    for extra in (kwargs.get("kwargs"), kwargs.get("cache_kwargs"), *args):
+        if not isinstance(extra, dict):
+            continue
+        forward = extra.get(attention.KEY) if forward is None else forward
+        pos = extra.get("position_ids")
+        if positions is None and isinstance(pos, torch.Tensor) and pos.ndim == 2:
+            positions = pos if pos.shape[-1] == keys.shape[2] else None
+    return positions, forward
 
 
 def _leading_padding(new_valid, batch: int, device) -> torch.Tensor:

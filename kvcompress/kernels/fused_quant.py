@@ -21,6 +21,7 @@ Liu et al., KIVI, arXiv 2402.02750.
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -30,6 +31,7 @@ from kvcompress import kernels
 IMPLS = ("matmul", "fused", "kernel")  # eager tensor form, the form torch.compile fuses, the C++ kernel
 COMPILE_MIN_TOKENS = 1024  # "auto": below this a compiled call's fixed cost outweighs its gain
 _COMPILED: dict[str, object] = {}  # "fn" -> the compiled attention, or None once compile failed
+_LOADED: dict[str, object] = {}  # $KVCOMPRESS_CPU_ISA -> the built quant_attention module (``_module``)
 
 
 def _plane(codes: torch.Tensor, bits: int, k: int) -> torch.Tensor:
@@ -119,7 +121,7 @@ def attend_scored(query, kq, vq, k_res, v_res, scaling, bits, group, impl, key_a
     h_kv = k_res.shape[1]
     q = query.reshape(b, h_kv, h // h_kv, d).float() * scaling  # (B, H_kv, g, D)
     name = "key_logits" if key_axis == "channel" else "key_logits_token"
-    built = kernels.load() if impl == "kernel" else None
+    built = _module() if impl == "kernel" else None
     logits_q = _sums(impl, name, q, kq, bits, group, built)  # (B, H_kv, g, Te)
     logits_r = torch.matmul(q, k_res.float().transpose(-1, -2))  # (B, H_kv, g, Tr)
     probs = torch.softmax(torch.cat([logits_q, logits_r], -1), -1)
@@ -128,6 +130,16 @@ def attend_scored(query, kq, vq, k_res, v_res, scaling, bits, group, impl, key_a
     out = out + torch.matmul(probs[..., te:], v_res.float())  # (B, H_kv, g, D)
     out = out.reshape(b, 1, h, d).to(query.dtype)
     return out, probs.mean(dim=2, keepdim=True) if scores else None
+
+
+def _module():
+    """The built ``quant_attention`` module of the build ``$KVCOMPRESS_CPU_ISA`` names, loaded once per
+    value (``kernels.load``): a decode step reads one dict entry."""
+    isa = os.environ.get(kernels.ISA_ENV, "")
+    built = _LOADED.get(isa)
+    if built is None:
+        built = _LOADED[isa] = kernels.load()
+    return built
 
 
 def _sums(impl: str, name: str, x, parts, bits: int, group: int, built=None) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvcompress.core import attention
-from kvcompress.core.layer import expand_heads
+from kvcompress.core.layer import expand_heads, step_inputs
 from kvcompress.core.masks import cat_valid
 from kvcompress.core.plan import Dense, Plan
 
@@ -163,10 +163,14 @@ class PassView(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.layer.get_max_length()
 
-    def update(self, key_states, value_states, *args, positions=None, forward=None, **kwargs):
+    def update(self, key_states, value_states, *args, **kwargs):
         """A reconstruction step (B, H_kv, q, D): what the layer holds then the step's own tokens; ``valid``
-        keeps the keys' validity (B, h, T + q) and the queries' (B, q) or None for ``observe_pass``."""
+        keeps the keys' validity (B, h, T + q) and the queries' (B, q) or None for ``observe_pass``. The
+        attention function that follows gets this view (the forward's ``pending``)."""
         layer = self.layer
+        forward = step_inputs(key_states, args, kwargs)[1]
+        if forward is not None:
+            forward.pending[layer.layer_idx] = self
         keys, values = layer.store.read()  # (B, H_kv, T, D): what the context left, nothing appended
         b, _, q, _ = key_states.shape
         queries = attention.validity(forward, b, q, key_states.device)

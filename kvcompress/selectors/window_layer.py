@@ -114,9 +114,9 @@ class SlidingWindowLayer(PolicyLayer):
         self.store.keep(order.view(1, 1, -1))  # no positions are tracked on the ring
 
     # -- every look from outside the step settles first ----------------------------------------
-    def update(self, key_states, value_states, *args, **kwargs):
+    def step(self, key_states, value_states, positions=None, forward=None):
         self.settle()
-        return super().update(key_states, value_states, *args, **kwargs)
+        return super().step(key_states, value_states, positions, forward)
 
     def stored_length(self) -> int:
         self.settle()

@@ -169,11 +169,11 @@ class AdaptiveHeads:
         n = self.store.length
         return n // self.spec.num_kv_heads if self.flat else n
 
-    def update(self, key_states, value_states, *args, **kwargs):
+    def step(self, key_states, value_states, positions=None, forward=None):
         if not self.flat:
-            return super().update(key_states, value_states, *args, **kwargs)
+            return super().step(key_states, value_states, positions, forward)
         b, h, q, d = key_states.shape
-        if attention.validity(kwargs.get("forward"), b, q, key_states.device) is not None:
+        if attention.validity(forward, b, q, key_states.device) is not None:
             raise ValueError(
                 f"{self.policy.name}.adaptive=true does not serve padded rows (batch with padding)"
             )

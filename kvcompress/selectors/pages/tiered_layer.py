@@ -29,11 +29,11 @@ class TieredLayer(PolicyLayer):
         super().__init__(policy, layer_idx, spec, store)
         self.prefill_chunk = policy.prefill_chunk  # read by kvcompress.runtime.context_pass.forward_prompt
 
-    def update(self, key_states, value_states, *args, **kwargs):
+    def step(self, key_states, value_states, positions=None, forward=None):
         """As every layer; and notes, for this step's attention, the next layer's store when it is a tiered
         layer's too (its LRU receives the pages this layer fetches: a prefetch)."""
-        self._ahead = self._next_store(kwargs.get("forward"))
-        return super().update(key_states, value_states, *args, **kwargs)
+        self._ahead = self._next_store(forward)
+        return super().step(key_states, value_states, positions, forward)
 
     def pass_refusal(self) -> str | None:
         """A context pass reads what a layer holds densely (``runtime.context_pass``): not cold pages."""
