@@ -35,8 +35,13 @@ $(COMPAT_VENV)/.installed: pyproject.toml
 run: install
 	$(BIN)/kvcompress -m policy=full,sliding_window task.max_tokens=1024 hydra.sweep.dir=$(RUN_DIR)
 
+# The suite runs on every core (pytest-xdist: one worker per core, each on one thread, an idle worker taking
+# tests from a busy one); PYTEST_WORKERS=0 runs it in this process.
+PYTEST_WORKERS ?= auto
+PARALLEL = OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist worksteal
+
 test: install
-	$(BIN)/python -m pytest tests
+	$(PARALLEL) tests
 
 # The family zoo and the policy contract under each older transformers release in COMPAT_TRANSFORMERS.
 test-compat: $(COMPAT_VENV)/.installed
@@ -48,10 +53,10 @@ test-compat: $(COMPAT_VENV)/.installed
 
 # The whole suite on the portable build of the C++ kernels (no -march=native: what a CPU without AVX-512 runs).
 test-portable: install
-	KVCOMPRESS_CPU_ISA=portable $(BIN)/python -m pytest tests
+	KVCOMPRESS_CPU_ISA=portable $(PARALLEL) tests
 
 test-fast: install
-	$(BIN)/python -m pytest tests -m "not integration and not slow"
+	$(PARALLEL) tests -m "not integration and not slow"
 
 bench: install
 	$(BIN)/kvcompress bench hydra.run.dir=outputs/bench

@@ -156,8 +156,10 @@ def written_artifacts() -> Path:
 
 def pytest_sessionstart(session):
     """Compile the C++ kernels (both builds) in another process while the first tests run on the other core;
-    a test that needs one waits for it (``kernels.load``)."""
-    session.config.stash[_PREBUILD] = kernels.prebuild()
+    a test that needs one waits for it (``kernels.load``). Under pytest-xdist only the controlling process
+    starts it (its workers wait for the same build)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        session.config.stash[_PREBUILD] = kernels.prebuild()
 
 
 def pytest_sessionfinish(session):
