@@ -45,7 +45,8 @@ class PolicyLayer(CacheLayerMixin):
     read_pos: torch.Tensor | None = None  # (B, 1 or H_kv, T) positions this step's attention reads (probed)
     probe_only_pos = False  # ``pos`` is tracked only for the probe: not the policy's bytes
     grouped_decode = False  # a decode query attends in the grouped form of the eviction layers
-    observed_probs = "last"  # what ``observe_attention`` gets back from the backend (``plan.PROBS``)
+    # what ``observe_attention`` gets back from the backend (``plan.PROBS``); "none": it ranks from keys alone
+    observed_probs = "last"
 
     def __init__(self, policy, layer_idx: int, spec, store):
         self.is_initialized = (
@@ -397,7 +398,7 @@ class PolicyLayer(CacheLayerMixin):
             self.compact_done()
         elif self.probe is not None:  # fidelity diagnostics, before any eviction
             self.probe.attended(self, call.query, read.key, read.value, read.mask, call.scaling, out)
-        if plan.probs != "none":  # the decode query's probabilities (a compact read's backend returns them)
+        if self.wants_scores:  # the decode query's probabilities when it asked (``observed_probs``)
             self.observe_attention(call.query, getattr(read, "key", None), call.scaling, probs)
         if self.open:
             self.end_step()

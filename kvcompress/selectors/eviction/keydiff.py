@@ -1,0 +1,60 @@
+"""KeyDiff: keep the keys least like the others, with no attention score.
+
+Park et al., "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference in
+Resource-Constrained Environments", arXiv 2504.15364. Each stored key is ranked by its cosine similarity to
+the anchor, the mean of the layer's unit keys (per row and KV head): the most similar are the most
+redundant and go first. The ranking reads keys only, so the step asks attention for nothing and every
+backend (flash attention and the compact reads included) serves it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvcompress.selectors.eviction.base import EvictionLayer, EvictionPolicy
+
+
+def keydiff_scores(key: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """(B, H_kv, T) float32 priority of each stored key (B, H_kv, T, D): minus its cosine similarity to the
+    mean unit key of its row and head, taken over real tokens only (``valid`` (B, 1 or H_kv, T), False on
+    padding slots, or None): a padded row ranks its tokens as the same row alone."""
+    unit = F.normalize(key.float(), dim=-1)  # (B, H_kv, T, D)
+    if valid is None:
+        anchor = unit.mean(-2, keepdim=True)  # (B, H_kv, 1, D)
+    else:
+        real = valid[..., None].float()  # (B, 1 or H_kv, T, 1)
+        anchor = (unit * real).sum(-2, keepdim=True) / real.sum(-2, keepdim=True).clamp_min(1)
+    return -(unit * F.normalize(anchor, dim=-1)).sum(-1)  # (B, H_kv, T)
+
+
+class KeyDiffLayer(EvictionLayer):
+    """Once the layer holds more than its target, keeps each KV head's ``k`` most distinctive keys, after
+    the step's attention read them all. The ranking does not depend on stored order, so a decode step's
+    one eviction moves the newest token into the hole (O(1))."""
+
+    order_free = True
+    observed_probs = "none"  # observes after attention, from the keys alone
+
+    def never_crops(self) -> str | None:
+        """None: the layer's only state is its keys, so a crop is exact wherever no eviction happened among
+        the tokens it removes (``core.rollback`` checks that)."""
+        return None
+
+    def observe_attention(self, query, key, scaling: float, probs=None) -> None:
+        k = self.target()
+        if self.stored_length() > k:
+            self.select(keydiff_scores(key, self.valid), k)
+
+
+@dataclass
+class KeyDiffPolicy(EvictionPolicy):
+    """Keep, per layer and KV head, the ``budget`` (or ``1 - compression_ratio``) keys least similar to
+    the mean key, at every step (KeyDiff, arXiv 2504.15364); needs no attention scores."""
+
+    layer_class = KeyDiffLayer
+    FORMULA = True  # the inherited kept_tokens()/state_bytes() describe it exactly
+    TEST_PARAMS = {"budget": 12, "compression_ratio": None}  # makes a 48-token test compress
+    MEMORY_VARIANTS = [{"budget": None, "compression_ratio": 0.25}]
