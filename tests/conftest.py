@@ -162,6 +162,17 @@ def pytest_sessionstart(session):
         session.config.stash[_PREBUILD] = kernels.prebuild()
 
 
+def pytest_collection_modifyitems(config, items):
+    """The slow and integration tests first (otherwise in collection order): under pytest-xdist the long
+    ones start at once on every worker and the short unit tests fill the end, so no worker finishes alone
+    while another still has a minute-long test ahead of it."""
+    items.sort(
+        key=lambda item: (
+            item.get_closest_marker("slow") is None and item.get_closest_marker("integration") is None
+        )
+    )
+
+
 def pytest_sessionfinish(session):
     """Stop a prebuild still running (an interrupted or filtered run): its lock goes with it."""
     proc = session.config.stash.get(_PREBUILD, None)

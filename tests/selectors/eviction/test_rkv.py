@@ -37,15 +37,15 @@ def reference_keep(query, key, scaling, p, k) -> list:
     b, h, t, _ = key.shape
     w, g = p.observation_window, query.shape[1] // h
     q = query[:, :, -w:].double().view(b, h, g, w, D)
-    logits = torch.einsum("bhgwd,bhtd->bhgwt", q, key.double()[:, :, None].expand(-1, -1, g, -1, -1)[:, :, 0])
-    logits = logits * scaling
+    logits = torch.einsum("bhgwd,bhtd->bhgwt", q, key.double()) * scaling
     pos = torch.arange(t)
     qpos = t - w + torch.arange(w)
     logits = logits.masked_fill(pos[None, :] > qpos[:, None], float("-inf"))
     probs = torch.softmax(logits, -1).mean(2)[..., : t - w]  # (B, H_kv, w, T - w) group mean
     imp = (probs / probs.sum(-1, keepdim=True)).mean(2)
     imp = F.max_pool1d(imp, p.kernel_size, stride=1, padding=p.kernel_size // 2)
-    score = p.mix_lambda * imp - (1 - p.mix_lambda) * reference_redundancy(key, p.similarity_threshold)[..., : t - w]
+    red = reference_redundancy(key, p.similarity_threshold)[..., : t - w]
+    score = p.mix_lambda * imp - (1 - p.mix_lambda) * red
     older = score.topk(k - w, dim=-1).indices
     window = torch.arange(t - w, t).expand(b, h, w)
     return torch.cat([older, window], -1).sort(-1).values.tolist()
