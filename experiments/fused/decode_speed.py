@@ -61,7 +61,7 @@ CONTENDERS = {
     # the other eviction policies at ratio 0.5 (the window at half of a 4k prompt)
     **{
         f"{p}_0.5": (p, {"compression_ratio": 0.5})
-        for p in ("h2o", "tova", "pyramidkv", "block_evict", "expected_attention", "kvzip")
+        for p in ("h2o", "tova", "pyramidkv", "block_evict", "expected_attention", "kvzip", "keydiff", "rkv")
     },  # fmt: skip
     "sliding_window_2048": ("sliding_window", {"window": 2048}),
     # transformers' own DynamicCache, decoding with the model's own attention (kvcompress detached)

@@ -124,5 +124,9 @@ if [[ $what == all || $what == step ]]; then
     [ -f $S/composed_$n.json ] || $PY experiments/fused/decode_speed.py $S/composed_$n.json $n 5 8 --paired \
       full dynamic int4_kernel int4_token h2o_0.5 tova_0.5 h2o_0.5_int4 tova_0.5_int4
   done
+  # at 512 again once the layer's update became transformers' Cache.update of the layer (a9ba8cb), with the
+  # two selectors written since (keydiff asks attention for nothing; rkv re-compresses every 128 tokens)
+  [ -f $S/update_512.json ] || $PY experiments/fused/decode_speed.py $S/update_512.json 512 5 8 --paired \
+    full dynamic int4_kernel h2o_0.5 keydiff_0.5 rkv_0.5
 fi
 $PY scripts/collect.py $R || true
