@@ -163,9 +163,9 @@ def pytest_sessionstart(session):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The slow and integration tests first (otherwise in collection order): under pytest-xdist the long
-    ones start at once on every worker and the short unit tests fill the end, so no worker finishes alone
-    while another still has a minute-long test ahead of it."""
+    """The slow and integration tests first (otherwise in collection order): under pytest-xdist's
+    worksteal the long ones start at once (the worker holding them, and the other stealing from its queue)
+    and the short unit tests fill the end, so a worker left alone at the end has short tests only."""
     items.sort(
         key=lambda item: (
             item.get_closest_marker("slow") is None and item.get_closest_marker("integration") is None

@@ -89,3 +89,20 @@ def test_uninstall_undoes_install():
     assert not model._forward_pre_hooks and not model.model._forward_pre_hooks
     out = model(torch.tensor([[3, 4, 5]]))  # the model runs as before install
     assert out.logits.shape == (1, 3, 96) and KEY not in vars(model)
+
+
+def test_update_finds_positions_and_state_in_every_form_transformers_passes():
+    """transformers 5.x passes the attention's keyword arguments as ``kwargs=``, older releases a
+    ``cache_kwargs`` dict by name or by position; a layer driven by hand names them. Positions whose length
+    is not the step's are not the step's (None)."""
+    from kvcompress.core.layer import step_inputs
+
+    keys, state = torch.zeros(1, 2, 3, 4), ForwardState()
+    pos = torch.arange(3).view(1, 3)
+    extra = {"position_ids": pos, KEY: state}
+    for args, kwargs in (((), {"kwargs": extra}), ((), {"cache_kwargs": extra}), ((extra,), {})):
+        found_pos, found_state = step_inputs(keys, args, kwargs)
+        assert found_pos is pos and found_state is state
+    assert step_inputs(keys, (), {"positions": pos, "forward": state}) == (pos, state)
+    assert step_inputs(keys, (), {"kwargs": {"position_ids": torch.arange(5).view(1, 5)}}) == (None, None)
+    assert step_inputs(keys, (None, 7), {}) == (None, None)

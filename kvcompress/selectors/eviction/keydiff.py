@@ -3,8 +3,10 @@
 Park et al., "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference in
 Resource-Constrained Environments", arXiv 2504.15364. Each stored key is ranked by its cosine similarity to
 the anchor, the mean of the layer's unit keys (per row and KV head): the most similar are the most
-redundant and go first. The ranking reads keys only, so the step asks attention for nothing and every
-backend (flash attention and the compact reads included) serves it.
+redundant and go first. The ranking reads keys only, so the step asks attention for no probabilities and
+any backend of the dense read serves it, the model's own SDPA or flash attention included. It needs every
+stored key as a tensor, so over quantized storage each step reads the dequantized copy (never the codes in
+place).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ paper's score for the older tokens: ``mix_lambda * importance - (1 - mix_lambda)
 importance is the window's attention over them (renormalized over them, averaged over the window's queries
 and each KV group's query heads, max-pooled along the sequence) and redundancy is the softmax over tokens
 of each key's mean cosine similarity to the others. A key's similarity to its newest similar key (cosine
-above ``similarity_threshold``) is not counted, so the latest of a run of near-copies is the one kept.
+above ``similarity_threshold``) is not counted, so the newest of a run of near-copies counts as the least
+redundant of it.
 """
 
 from __future__ import annotations
