@@ -70,17 +70,18 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     if TIMER.enabled:  # policy time: the plan and what the layer does with attention's result
         TIMER.start()
     plan = layer.plan(query, key, value)
-    backend = executor.backend_for(plan, call)
-    if backend is None:
+    found = executor.chosen(plan, call)
+    if found is None:
         if plan.read.form == "dense" or plan.read.required:
             raise executor.refusal(plan, call)
         plan = layer.dense_plan(plan)  # no backend reads this compact form here: the same tokens, dense
-        backend = executor.backend_for(plan, call)
-        if backend is None:
+        found = executor.chosen(plan, call)
+        if found is None:
             raise executor.refusal(plan, call)
     if TIMER.enabled:
         TIMER.stop()
-    out, probs = backend.run(plan, call)
+    backend, kernel = found
+    out, probs = kernel(plan, call)
     if TIMER.enabled:
         TIMER.start()
     layer.attended(plan, call, out, probs, backend.name)

@@ -8,7 +8,8 @@ the C++ kernels, ``triton``) by ``kvcompress.kernels.backends`` when ``kvcompres
 
 The choice is made once per plan signature (``signature``: the read's form and the backend it asks for, the
 probabilities asked for, the query's device, dtype, heads and length, the mask's kind, the model's kernel) and
-remembered, so a steady decode step asks no backend anything; registering a backend forgets the choices. A
+remembered with the backend's kernel for it (``Backend.kernel``), so a steady decode step asks no backend
+anything and calls the kernel's own entry; registering a backend forgets the choices. A
 plan that no backend serves gets ``None`` from ``backend_for``; ``refusal`` names what each backend lacks.
 """
 
@@ -36,6 +37,12 @@ class Backend:
 
     def run(self, plan: Plan, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
+
+    def kernel(self, plan: Plan):
+        """What runs a plan of this signature: a function ``(plan, call)`` returning what ``run`` does. The
+        executor remembers it with the choice, so a step calls the kernel's own entry; ``run`` by default, a
+        backend whose kernel takes the plan directly returns that function."""
+        return self.run
 
 
 class ModelKernel(Backend):
@@ -116,7 +123,7 @@ def additive(mask: torch.Tensor | None, query, key) -> torch.Tensor | None:
 
 
 BACKENDS: list[Backend] = [Sdpa(), Eager()]  # tried in order; registered ones go before these
-_CHOSEN: dict[tuple, Backend | None] = {}  # signature -> the backend that serves it (None: none does)
+_CHOSEN: dict[tuple, tuple | None] = {}  # signature -> (backend, its kernel) that serves it (None: none does)
 
 
 def register(backend: Backend, first: bool = True) -> None:
@@ -168,12 +175,20 @@ def choose(plan: Plan, call: Call) -> tuple[Backend | None, dict[str, str]]:
     return None, why
 
 
-def backend_for(plan: Plan, call: Call) -> Backend | None:
-    """The backend that serves ``plan`` (``choose``), asked once per ``signature``; None when none does."""
+def chosen(plan: Plan, call: Call) -> tuple | None:
+    """The backend that serves ``plan`` (``choose``) and its kernel for it (``Backend.kernel``), asked once
+    per ``signature``; None when no backend does."""
     sig = signature(plan, call)
     if sig not in _CHOSEN:
-        _CHOSEN[sig] = choose(plan, call)[0]
+        backend = choose(plan, call)[0]
+        _CHOSEN[sig] = None if backend is None else (backend, backend.kernel(plan))
     return _CHOSEN[sig]
+
+
+def backend_for(plan: Plan, call: Call) -> Backend | None:
+    """The backend that serves ``plan`` (``chosen``); None when none does."""
+    found = chosen(plan, call)
+    return None if found is None else found[0]
 
 
 def refusal(plan: Plan, call: Call) -> Unserved:
@@ -191,8 +206,8 @@ def refusal(plan: Plan, call: Call) -> Unserved:
 def execute(plan: Plan, call: Call) -> tuple[torch.Tensor, torch.Tensor | None, tuple[str, str]]:
     """Output (B, q, H, D), the decode query's probabilities (B, H_kv, 1, T) or None, and what ran (the
     backend's name and the read's form); ``Unserved`` when no backend serves the plan."""
-    backend = backend_for(plan, call)
-    if backend is None:
+    found = chosen(plan, call)
+    if found is None:
         raise refusal(plan, call)
-    out, probs = backend.run(plan, call)
-    return out, probs, (backend.name, plan.read.form)
+    out, probs = found[1](plan, call)
+    return out, probs, (found[0].name, plan.read.form)

@@ -116,10 +116,13 @@ class Cpu(Backend):
             return f"the C++ kernel {kernel} did not build: {kernels.why(kernel)}"
         return None
 
+    def kernel(self, plan):
+        return fused_quant.plan_attention if plan.form == "kivi" else self.run
+
     def run(self, plan, call):
         r, q = plan.read, call.query
         if r.form == "kivi":
-            return _kivi_scored(plan, call, "kernel")
+            return fused_quant.plan_attention(plan, call)
         return fused_pages.attend(q, call.scaling, r.key, r.value, r.pages, r.block, r.total), None
 
 

@@ -132,6 +132,14 @@ def attend_scored(query, kq, vq, k_res, v_res, scaling, bits, group, impl, key_a
     return out, probs.mean(dim=2, keepdim=True) if scores else None
 
 
+def plan_attention(plan, call):
+    """``attend_scored`` through the C++ kernel for a KIVI read (``core.plan.Kivi``), with the probabilities
+    where the plan asks for them: the ``cpu`` backend's kernel for such plans (``Backend.kernel``)."""
+    r = plan.read
+    args = (r.keys, r.values, r.key_res, r.value_res, call.scaling, r.bits, r.group, "kernel", r.key_axis)
+    return attend_scored(call.query, *args, plan.probs == "last")
+
+
 def _module():
     """The built ``quant_attention`` module of the build ``$KVCOMPRESS_CPU_ISA`` names, loaded once per
     value (``kernels.load``): a decode step reads one dict entry."""

@@ -137,3 +137,46 @@ def test_the_remembered_choice_follows_the_signature_and_registering_forgets_it(
     finally:
         executor.BACKENDS[:] = saved
         executor.forget()
+
+
+class Direct(Reference):
+    """A backend whose kernel takes the plan itself: the executor calls it, never ``run``."""
+
+    name = "direct"
+    calls = 0
+
+    def kernel(self, plan):
+        def entry(plan, call):
+            Direct.calls += 1
+            return super(Direct, self).run(plan, call)
+
+        return entry
+
+    def run(self, plan, call):
+        raise AssertionError("run is not called where the backend names its kernel")
+
+
+def test_a_step_calls_the_kernel_remembered_with_the_choice():
+    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    call = Call(Standalone(), q, 0.3, {}, "sdpa")
+    saved, Direct.calls = list(executor.BACKENDS), 0
+    try:
+        executor.register(Direct())
+        out, _, ran = execute(Plan(Dense(k, v, None)), call)
+        out2, _, _ = execute(Plan(Dense(k, v, None)), call)
+        want, _ = executor.eager_attention(call.module, q, k, v, None, 0.3)
+        assert ran == ("direct", "dense") and Direct.calls == 2
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(out2, want)
+    finally:
+        executor.BACKENDS[:] = saved
+        executor.forget()
+
+
+def test_the_cpu_backend_runs_kivi_reads_through_the_kernels_plan_entry():
+    from kvcompress.kernels import fused_quant
+
+    cpu = next(b for b in executor.BACKENDS if b.name == "cpu")
+    assert cpu.kernel(Plan(Dense(torch.zeros(1), torch.zeros(1), None))) == cpu.run
+    kivi = type("P", (), {"form": "kivi"})()
+    assert cpu.kernel(kivi) is fused_quant.plan_attention
