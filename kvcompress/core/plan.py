@@ -1,12 +1,12 @@
 """What one layer's attention must read this step, as data: the plan a layer hands the executor.
 
 A layer never calls a kernel. Its step yields a ``Plan``: one read (``Dense`` key/value views and a mask,
-``Kivi`` packed codes plus the residual window, ``Latent`` low-rank parts, or ``Pages`` of a cache read in
-place) and the query probabilities its selector needs afterwards (``probs``). A plan is frozen data: it
-holds tensors and small values, never a callable. ``kvcompress.core.executor`` picks a backend
-(``kvcompress.kernels.backends``) that declares support for the plan, once per plan signature; when none
-serves a compact read, the attention hook asks the layer for the same step as a dense read
-(``kvcompress.core.attention``).
+``Kivi`` packed codes plus the residual window, ``Rotated`` codes of rotated tokens, ``Latent`` low-rank
+parts, or ``Pages`` of a cache read in place) and the query probabilities its selector needs afterwards
+(``probs``). A plan is frozen data: it holds tensors and small values, never a callable.
+``kvcompress.core.executor`` picks a backend (``kvcompress.kernels.backends``) that declares support for the
+plan, once per plan signature; when none serves a compact read, the attention hook asks the layer for the
+same step as a dense read (``kvcompress.core.attention``).
 
 A compact read carries the ``backend`` its storage or selector asks for (their ``backend`` field): ``auto``,
 the first backend that serves it, else the same step read dense; or one backend's name, which alone may run
@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from kvcompress.core.rotation import Rotation
 
 # none: the selector reads no scores; last: the decode query's probabilities, per KV group; lse: each
 # query's log-sum-exp (B, H, q) where the backend's kernel computes it anyway, else None (the selector
@@ -59,6 +61,28 @@ class Kivi:
     key_axis: str = "channel"
 
     form = "kivi"
+    required = property(_named)
+
+
+@dataclass(frozen=True)
+class Rotated:
+    """Rotated quantized tokens (``storage.quant.turbo``): each token's key and value turned by ``rotation``
+    (``core.rotation.Rotation``) then held as per-token (codes, scales, zeros), keys optionally with their
+    residual's sign sketch (``keys[3]`` (B, H_kv, Te, m / 8) uint8, ``keys[4]`` norms (B, H_kv, Te, 1)) over
+    ``projection`` (m, D); then the residual window (B, H_kv, Tr, D) in full precision. Attention turns the
+    query, reads the codes and turns the output back. ``backend``: ``turboquant.backend``."""
+
+    keys: tuple
+    values: tuple
+    key_res: torch.Tensor
+    value_res: torch.Tensor
+    bits: int
+    group: int
+    rotation: Rotation
+    projection: torch.Tensor | None = None
+    backend: str = "auto"
+
+    form = "rotated"
     required = property(_named)
 
 
@@ -120,7 +144,7 @@ class Plan:
     equal kept tokens give equal outputs across selectors. A compact read that no backend serves is read
     dense instead, unless it is ``required`` (then the step is refused by name)."""
 
-    read: Dense | Kivi | Latent | Pages
+    read: Dense | Kivi | Rotated | Latent | Pages
     probs: str = "none"
     grouped: bool = False
 

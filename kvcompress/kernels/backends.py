@@ -6,8 +6,9 @@ executor).
 - ``triton``: the Triton kernels (``kvcompress.kernels.triton_backend``) on CUDA tensors: scored and
   grouped dense decode, KIVI codes, Quest pages (a CPU only under Triton's interpreter, for tests).
 
-- ``cpu``: the C++ kernels (``kvcompress.kernels``): KIVI sums from packed codes and Quest pages read in
-  place, on CPU tensors where the kernel built (pages: float32 keys).
+- ``cpu``: the C++ kernels (``kvcompress.kernels``): KIVI sums from packed codes (KIVI's and the rotated
+  codes of ``turboquant``, ``fused_turbo``) and Quest pages read in place, on CPU tensors where the kernel
+  built (pages: float32 keys).
 - ``torch``: attention written in torch ops: the grouped decode form that also returns the probabilities
   score-based selectors read (``torch_attention.decode_attention``), KIVI's tensor and compiled forms, and
   latents (``kvcompress.kernels.fused_low_rank.attend``: its parts pick their own C++ kernels on a CPU).
@@ -30,7 +31,14 @@ from kvcompress.core import kernel_slots
 from kvcompress.core.executor import Backend, register
 from kvcompress.core.plan import Call, Plan
 from kvcompress.core.torch_attention import decode_attention
-from kvcompress.kernels import flash_lse, fused_low_rank, fused_pages, fused_quant, triton_backend
+from kvcompress.kernels import (
+    flash_lse,
+    fused_low_rank,
+    fused_pages,
+    fused_quant,
+    fused_turbo,
+    triton_backend,
+)
 from kvcompress.kernels.triton_backend import Triton
 
 
@@ -55,10 +63,10 @@ class Torch(Backend):
             if plan.read.mask is not None:
                 return "no mask"
             return None if plan.grouped or plan.probs == "last" else "serves grouped or scored decode only"
-        if plan.form == "kivi":
-            # auto: not on a CPU, where the tensor forms measured slower than the dense read
+        if plan.form in ("kivi", "rotated"):
+            # auto: not on a CPU, where the C++ kernel reads codes (KIVI's tensor forms measured slower there)
             if plan.read.backend == "auto" and call.query.device.type == "cpu":
-                return "KIVI codes on a CPU only when asked for by name (quant.backend: torch)"
+                return f"{plan.form} codes on a CPU only when asked for by name (backend: torch)"
             return _scored(plan)
         return f"reads {plan.form} in place on a CPU only"
 
@@ -68,6 +76,8 @@ class Torch(Backend):
             return decode_attention(q, r.key, r.value, call.scaling, plan.probs == "last")
         if r.form == "latent":
             return fused_low_rank.attend(q, call.scaling, r), None
+        if r.form == "rotated":
+            return fused_turbo.attend(q, r, call.scaling, "matmul", plan.probs == "last")
         if plan.probs == "none" and r.key_axis == "channel":
             # the tensor form picks itself: compiled from COMPILE_MIN_TOKENS quantized tokens, else eager
             return fused_quant.tensor_attention("auto", q, *_kivi_args(r, call.scaling)), None
@@ -94,12 +104,13 @@ class Cpu(Backend):
     """The C++ kernels of ``kvcompress.kernels`` on float32 CPU tensors."""
 
     name = "cpu"
-    KERNEL = {"kivi": "quant_attention", "pages": "page_attention"}
+    KERNEL = {"kivi": "quant_attention", "rotated": "quant_attention", "pages": "page_attention"}
+    PLAN_KERNELS = {"kivi": fused_quant.plan_attention, "rotated": fused_turbo.plan_attention}
 
     def missing(self, plan, call):
         q = call.query
         if plan.form not in self.KERNEL:
-            return f"reads KIVI codes and Quest pages only, not {plan.form}"
+            return f"reads KIVI or rotated codes and Quest pages only, not {plan.form}"
         if q.device.type != "cpu":
             return f"CPU tensors only, not {q.device.type}"
         why = plan.asks_other(self.name) or _plain_decode(plan, call)
@@ -109,7 +120,7 @@ class Cpu(Backend):
             return "no probabilities from pages read in place"
         if plan.form == "pages" and not _in_place(plan.read.key):
             return f"float32 keys with unit stride only, not {plan.read.key.dtype}"
-        if plan.form == "kivi" and _scored(plan):
+        if plan.form in ("kivi", "rotated") and _scored(plan):
             return _scored(plan)
         kernel = self.KERNEL[plan.form]
         if kernels.load(kernel) is None:
@@ -117,12 +128,12 @@ class Cpu(Backend):
         return None
 
     def kernel(self, plan):
-        return fused_quant.plan_attention if plan.form == "kivi" else self.run
+        return self.PLAN_KERNELS.get(plan.form, self.run)
 
     def run(self, plan, call):
         r, q = plan.read, call.query
-        if r.form == "kivi":
-            return fused_quant.plan_attention(plan, call)
+        if r.form in self.PLAN_KERNELS:
+            return self.PLAN_KERNELS[r.form](plan, call)
         return fused_pages.attend(q, call.scaling, r.key, r.value, r.pages, r.block, r.total), None
 
 

@@ -121,12 +121,12 @@ def attend_scored(query, kq, vq, k_res, v_res, scaling, bits, group, impl, key_a
     h_kv = k_res.shape[1]
     q = query.reshape(b, h_kv, h // h_kv, d).float() * scaling  # (B, H_kv, g, D)
     name = "key_logits" if key_axis == "channel" else "key_logits_token"
-    built = _module() if impl == "kernel" else None
-    logits_q = _sums(impl, name, q, kq, bits, group, built)  # (B, H_kv, g, Te)
+    built = built_module() if impl == "kernel" else None
+    logits_q = sums(impl, name, q, kq, bits, group, built)  # (B, H_kv, g, Te)
     logits_r = torch.matmul(q, k_res.float().transpose(-1, -2))  # (B, H_kv, g, Tr)
     probs = torch.softmax(torch.cat([logits_q, logits_r], -1), -1)
     te = logits_q.shape[-1]
-    out = _sums(impl, "value_output", probs[..., :te], vq, bits, group, built)
+    out = sums(impl, "value_output", probs[..., :te], vq, bits, group, built)
     out = out + torch.matmul(probs[..., te:], v_res.float())  # (B, H_kv, g, D)
     out = out.reshape(b, 1, h, d).to(query.dtype)
     return out, probs.mean(dim=2, keepdim=True) if scores else None
@@ -140,7 +140,7 @@ def plan_attention(plan, call):
     return attend_scored(call.query, *args, plan.probs == "last")
 
 
-def _module():
+def built_module():
     """The built ``quant_attention`` module of the build ``$KVCOMPRESS_CPU_ISA`` names, loaded once per
     value (``kernels.load``): a decode step reads one dict entry."""
     isa = os.environ.get(kernels.ISA_ENV, "")
@@ -150,7 +150,7 @@ def _module():
     return built
 
 
-def _sums(impl: str, name: str, x, parts, bits: int, group: int, built=None) -> torch.Tensor:
+def sums(impl: str, name: str, x, parts, bits: int, group: int, built=None) -> torch.Tensor:
     """``key_logits`` (or ``key_logits_token``) or ``value_output`` of ``x`` over quantized ``parts`` in the
     form ``impl`` says; ``built``: the loaded C++ module for ``kernel``, when the caller has it already."""
     if impl == "kernel":
