@@ -16,7 +16,6 @@ tasks (retrieval, multi-query, prefix perplexity) use it, so any policy gets wha
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -25,41 +24,13 @@ from kvcompress.core import attention
 from kvcompress.core.layer import expand_heads, step_inputs
 from kvcompress.core.masks import cat_valid
 from kvcompress.core.plan import Dense, Plan
+from kvcompress.selectors.eviction.kvzip_prompts import Prompts, repeat_prompts
 
-REPEAT_FIRST = "\n\nRepeat the previous context exactly."
-REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
 OVERLAP = 8  # last tokens of the previous chunk quoted in the next chunk's prompt
-_MARK = "\x00kvcompress-turn\x00"
 
 
 def needs_context_pass(cache) -> bool:
     return any(getattr(layer, "needs_context_pass", False) for layer in getattr(cache, "layers", ()))
-
-
-class Prompts(NamedTuple):
-    """Token ids around the reconstructed text: the first chunk's instruction, the later chunks', what closes
-    the user turn and opens the assistant's, and the chat template's opening before a user message (a
-    context starting with it is reconstructed without it, as the text itself is what matters)."""
-
-    first: list[int]
-    later: list[int]
-    turn: list[int]
-    opening: list[int]
-
-
-def repeat_prompts(tokenizer) -> Prompts:
-    """The ``Prompts`` of ``tokenizer`` (turn and opening from its chat template, empty without one). No
-    tokenizer: no prompt, the context is reconstructed as is."""
-    if tokenizer is None:
-        return Prompts([], [], [], [])
-    encode = lambda s: tokenizer(s, add_special_tokens=False).input_ids if s else []  # noqa: E731
-    opening = turn = ""
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": _MARK}], tokenize=False, add_generation_prompt=True
-        )
-        opening, turn = text.split(_MARK, 1)
-    return Prompts(encode(REPEAT_FIRST), encode(REPEAT_NEXT), encode(turn), encode(opening))
 
 
 def reconstruction_chunks(context_ids, attention_mask, prompts: Prompts, chunk: int):
