@@ -68,7 +68,8 @@ def main() -> None:
     print(f"fit: {fit['documents'] - fit['holdout']} documents of {fit['tokens']} tokens, "
           f"{fit['holdout']} held out, {fit['seconds']:.0f} s ({fit['source']})")  # fmt: skip
     for name, c in cost.items():
-        print(f"{name}: prefill {c['median']:.3f} s (IQR {c['q1']:.3f}-{c['q3']:.3f}), {c['vs_full']:.2f}x full")
+        spread = f"IQR {c['q1']:.3f}-{c['q3']:.3f}"
+        print(f"{name}: prefill {c['median']:.3f} s ({spread}), {c['vs_full']:.2f}x full")
 
 
 if __name__ == "__main__":
