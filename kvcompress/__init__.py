@@ -5,14 +5,16 @@ over ``eval`` over ``metrics`` and ``memory_model``, over ``persist``, ``runtime
 ``storage``, ``kernels``, and at the bottom ``core`` and ``resources``; no module imports one above it.
 """
 
-import kvcompress.kernels.backends  # noqa: F401  (registers the attention backends with the executor)
 from kvcompress.core.attention import attached, detach
 from kvcompress.core.cache import KVCache, build_cache, known_policies, make_policy
+from kvcompress.kernels import backends as _backends
 from kvcompress.persist import load_cache
 from kvcompress.persist import save as save_cache
 from kvcompress.resources.data import load_text
 from kvcompress.resources.models import load_model
 from kvcompress.runtime.context_pass import compress_context
+
+_backends.install()  # the package's attention backends and lent kernels (kvcompress.kernels.backends)
 
 
 def pipeline(model, tokenizer, policy="full", chat_template=None, **params):

@@ -3,8 +3,8 @@
 The model's own kernels over a dense read, ``sdpa`` and ``eager`` (transformers' functions, the one place
 outside ``attention.py`` and ``cache.py`` that calls into transformers' attention), are built in, last. A
 backend subclasses ``Backend`` and is added by ``register``: the package's kernels (``torch``, ``cpu`` for
-the C++ kernels, ``triton``) by ``kvcompress.kernels.backends`` when ``kvcompress`` is imported, a new one
-(the GPU kernels) the same way.
+the C++ kernels, ``triton``) by ``kvcompress.kernels.backends.install()``, which ``kvcompress`` calls when it
+is imported, a new one (the GPU kernels) the same way.
 
 The choice is made once per plan signature (``signature``: the read's form and the backend it asks for, the
 probabilities asked for, the query's device, dtype, heads and length, the mask's kind, the model's kernel) and

@@ -4,9 +4,9 @@ Selectors and storage never import ``kvcompress.kernels`` (DESIGN: kernels are c
 the model's own SDPA (``executor.Sdpa``, in core) can return each query's log-sum-exp through one, and
 a few of their own steps have a kernel that computes the same numbers as their tensor form, only faster:
 a prefill's score window (``torch_attention.window_scores``, Triton), Quest's page choice and turning
-pre-RoPE keys by their positions (C++). ``kvcompress.kernels.backends`` registers those here by slot when
-it is imported; a caller asks ``first(slot, ...)`` and runs its own tensor form where it gets None (nothing
-registered, or no registered kernel serves these inputs).
+pre-RoPE keys by their positions (C++). ``kvcompress.kernels.backends.install()`` registers those here by
+slot (``kvcompress`` calls it when imported); a caller asks ``first(slot, ...)`` and runs its own tensor
+form where it gets None (nothing registered, or no registered kernel serves these inputs).
 """
 
 from __future__ import annotations

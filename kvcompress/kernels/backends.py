@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from kvcompress import kernels
-from kvcompress.core import kernel_slots
+from kvcompress.core import executor, kernel_slots
 from kvcompress.core.executor import Backend, register
 from kvcompress.core.plan import Call, Plan
 from kvcompress.core.torch_attention import decode_attention
@@ -142,9 +142,20 @@ def _in_place(key: torch.Tensor) -> bool:
 
 
 # kernels lent to selectors and storage for steps outside attention (``kvcompress.core.kernel_slots``)
-kernel_slots.register("window_scores", triton_backend.window_scores)  # prefill score windows, keys' own dtype
-kernel_slots.register("select_pages", fused_pages.select)  # Quest's page choice in one C++ call
-kernel_slots.register("turn_keys", fused_low_rank.turn_keys)  # pre-RoPE keys turned by the cos/sin table
-kernel_slots.register("sdpa_lse", flash_lse.attention_with_lse)  # SDPA's own log-sum-exp (kvzip)
-for _backend in (Torch(), Cpu(), Triton()):  # each goes first, before the model's own (sdpa, eager)
-    register(_backend)
+LENT = {
+    "window_scores": triton_backend.window_scores,  # prefill score windows, keys' own dtype
+    "select_pages": fused_pages.select,  # Quest's page choice in one C++ call
+    "turn_keys": fused_low_rank.turn_keys,  # pre-RoPE keys turned by the cos/sin table
+    "sdpa_lse": flash_lse.attention_with_lse,  # SDPA's own log-sum-exp (kvzip)
+}
+
+
+def install() -> None:
+    """Register these backends with the executor (each before the model's own, sdpa and eager: tried in
+    the order triton, cpu, torch) and lend ``LENT``'s kernels to their slots. ``kvcompress/__init__.py``
+    calls it once; calling it again changes nothing (a backend of the same name is replaced)."""
+    for slot, kernel in LENT.items():
+        kernel_slots.register(slot, kernel)
+    for backend in (Torch(), Cpu(), Triton()):  # each inserted first: triton ends up first
+        if not any(type(b) is type(backend) for b in executor.BACKENDS):
+            register(backend)

@@ -81,7 +81,7 @@ def test_a_plan_no_backend_serves_is_refused_naming_what_each_lacks(monkeypatch)
     """With no backend for dense reads, the executor says, per backend, what is missing."""
     monkeypatch.setattr(executor, "BACKENDS", [backends.Cpu()])
     q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 5, 8)
-    why = r"no attention backend serves a dense read .*cpu: reads KIVI codes and Quest pages only, not dense"
+    why = r"no attention backend serves a dense read .*cpu: reads KIVI or rotated codes and Quest pages only, not dense"
     with pytest.raises(Unserved, match=why):
         execute(Plan(Dense(k, k, None)), Call(Standalone(), q, 0.3, {}, "sdpa"))
 
@@ -180,3 +180,26 @@ def test_the_cpu_backend_runs_kivi_reads_through_the_kernels_plan_entry():
     assert cpu.kernel(Plan(Dense(torch.zeros(1), torch.zeros(1), None))) == cpu.run
     kivi = type("P", (), {"form": "kivi"})()
     assert cpu.kernel(kivi) is fused_quant.plan_attention
+
+
+def test_importing_the_kernels_registers_nothing_until_install_is_called():
+    import importlib
+
+    from kvcompress.core import kernel_slots
+
+    saved, lent = list(executor.BACKENDS), {k: list(v) for k, v in kernel_slots._LENT.items()}
+    try:
+        executor.BACKENDS[:] = [b for b in saved if b.name in ("sdpa", "eager")]
+        for kernels in kernel_slots._LENT.values():
+            kernels.clear()
+        fresh = importlib.reload(backends)
+        assert executor.names() == ["sdpa", "eager"] and not any(kernel_slots._LENT.values())
+        fresh.install()
+        fresh.install()  # once is enough: again changes nothing
+        assert executor.names() == ["triton", "cpu", "torch", "sdpa", "eager"]
+        assert all(len(kernel_slots.lent(slot)) == 1 for slot in kernel_slots.SLOTS)
+    finally:
+        executor.BACKENDS[:] = saved
+        for slot, kernels in lent.items():
+            kernel_slots._LENT[slot][:] = kernels
+        executor.forget()
