@@ -81,7 +81,7 @@ def test_a_plan_no_backend_serves_is_refused_naming_what_each_lacks(monkeypatch)
     """With no backend for dense reads, the executor says, per backend, what is missing."""
     monkeypatch.setattr(executor, "BACKENDS", [backends.Cpu()])
     q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 5, 8)
-    why = r"no attention backend serves a dense read .*cpu: reads KIVI or rotated codes and Quest pages only, not dense"
+    why = r"no attention backend serves a dense read .*cpu: reads KIVI or rotated codes and Quest pages only"
     with pytest.raises(Unserved, match=why):
         execute(Plan(Dense(k, k, None)), Call(Standalone(), q, 0.3, {}, "sdpa"))
 
