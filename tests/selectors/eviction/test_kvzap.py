@@ -70,10 +70,12 @@ def test_the_fit_targets_are_the_context_pass_scores_of_kvzip(monkeypatch):
     assert feats.shape[:3] == targets.shape
 
 
-def test_the_prompt_keeps_the_pairs_the_scorer_ranks_first_and_decode_appends():
+@pytest.mark.parametrize("window", [0, 5])
+def test_the_prompt_keeps_the_pairs_the_scorer_ranks_first_and_decode_appends(window):
     model = make_tiny("llama")
     ids = torch.randint(2, 90, (1, 36), generator=torch.Generator().manual_seed(4))
-    cache = build_cache("kvzap", model, budget=12, compression_ratio=None, sink_tokens=2, **FIT)
+    fields = {"budget": 12, "compression_ratio": None, "sink_tokens": 2, "window": window, **FIT}
+    cache = build_cache("kvzap", model, **fields)
     full = build_cache("full", model)
     stream_logits(model, ids[:, :30], full, chunk=30)
     stream_logits(model, ids[:, :30], cache, chunk=30)
@@ -82,6 +84,7 @@ def test_the_prompt_keeps_the_pairs_the_scorer_ranks_first_and_decode_appends():
         keys, values = whole.keys, whole.values  # (1, H_kv, 30, D)
         pred = kvzap_fit.predict(weights[i], keys, values).double()  # (1, H_kv, 30)
         pred[..., :2] = float("inf")  # the sinks
+        pred[..., 30 - window :] = float("inf")  # the window
         want = pred.topk(12, dim=-1).indices.sort(dim=-1).values
         assert ids_of(layer.keys, keys) == want.tolist()
     stream_logits(model, ids[:, 30:], cache, chunk=1)
