@@ -46,10 +46,10 @@ class KVzapPolicy(EvictionPolicy):
     Args:
         budget / compression_ratio: see ``EvictionPolicy`` (of the tokens held at each prefill step).
         sink_tokens: first real tokens always kept.
-        window: last tokens always kept (within the budget), as KVzap's sliding window: a linear map of a
-            pair's own key and value cannot see that the prompt's last tokens (a question, the reply's turn)
-            are what the next queries read; without it the embedded model answered 1 of 90 RULER samples
-            at 0.75 (docs/results.md).
+        window: last tokens always kept (within the budget), as KVzap's sliding window: a map of a pair's
+            own key and value cannot see that the prompt's last tokens (a question, the reply's turn) are
+            what the next queries read. On the embedded model kvzap answered 1 of 90 RULER samples at 0.75
+            with or without it (docs/results.md).
         fit_text: the text whose last ``fit_documents * fit_tokens`` tokens the scorer is fitted on
             (``pg_essays``, a path, a `datasets` spec, or ``random`` for tests).
         fit_documents: pieces of ``fit_tokens`` tokens; the last ``fit_holdout`` are held out and scored.
