@@ -65,25 +65,18 @@ class Kivi:
 
 
 @dataclass(frozen=True)
-class Rotated:
-    """Rotated quantized tokens (``storage.quant.turbo``): each token's key and value turned by ``rotation``
-    (``core.rotation.Rotation``) then held as per-token (codes, scales, zeros), keys optionally with their
-    residual's sign sketch (``keys[3]`` (B, H_kv, Te, m / 8) uint8, ``keys[4]`` norms (B, H_kv, Te, 1)) over
-    ``projection`` (m, D); then the residual window (B, H_kv, Tr, D) in full precision. Attention turns the
-    query, reads the codes and turns the output back. ``backend``: ``turboquant.backend``."""
+class Rotated(Kivi):
+    """A ``Kivi`` read of per-token codes (``key_axis`` ``token``) of rotated tokens
+    (``storage.quant.turbo``): each key and value was turned by ``rotation`` (``core.rotation.Rotation``)
+    before it was quantized. Keys may carry their residual's sign sketch over ``projection`` (m, D):
+    ``keys[3]`` (B, H_kv, Te, m / 8) uint8 and ``keys[4]`` norms (B, H_kv, Te, 1). The residual window is
+    not rotated. Attention turns the query, reads the codes and turns the output back."""
 
-    keys: tuple
-    values: tuple
-    key_res: torch.Tensor
-    value_res: torch.Tensor
-    bits: int
-    group: int
-    rotation: Rotation
+    key_axis: str = "token"
+    rotation: Rotation | None = None
     projection: torch.Tensor | None = None
-    backend: str = "auto"
 
     form = "rotated"
-    required = property(_named)
 
 
 @dataclass(frozen=True)

@@ -234,7 +234,7 @@ class QuantStorage(Storage):
         quantized = max(0, (tokens - self.recent) // self.group_size * self.group_size)
         elements = s.batch * s.kv_heads * quantized * s.head_dim
         groups = elements // self.group_size
-        meta = 2 * groups * _scale_bytes(self.scale_dtype, s.dtype_bytes)
+        meta = 2 * groups * scale_bytes(self.scale_dtype, s.dtype_bytes)
         return 2 * (elements * self.bits // 8 + meta) + s.kv(tokens - quantized)
 
     @property
@@ -242,7 +242,7 @@ class QuantStorage(Storage):
         return False  # eviction inside the residual window changes how many tokens are quantized
 
 
-def _scale_bytes(scale_dtype: str, dtype_bytes: int) -> int:
+def scale_bytes(scale_dtype: str, dtype_bytes: int) -> int:
     """``auto``: the model dtype for 16-bit models, float16 for float32 ones."""
     if scale_dtype == "auto":
         return 2 if dtype_bytes == 4 else dtype_bytes

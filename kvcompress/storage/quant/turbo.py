@@ -30,7 +30,7 @@ from kvcompress.core.plan import Rotated
 from kvcompress.core.spec import ModelSpec, Shape
 from kvcompress.core.storage import Storage
 from kvcompress.storage.quant import quantizer
-from kvcompress.storage.quant.kivi import SCALE_DTYPES, _scale_bytes
+from kvcompress.storage.quant.kivi import SCALE_DTYPES, scale_bytes
 from kvcompress.storage.quant.quantizer import BITS, QuantizedTensor
 from kvcompress.storage.residual import KINDS, ResidualStore
 
@@ -104,7 +104,8 @@ class TurboStore(ResidualStore):
     def compact_read(self) -> Rotated:
         c, enc, res = self.config, self.encoded, self.residual
         parts = (enc["keys"], enc["values"], res["keys"], res["values"])
-        return Rotated(*parts, c.bits, self.group, self.rotation, self.projection, c.backend)
+        turn = {"rotation": self.rotation, "projection": self.projection}
+        return Rotated(*parts, c.bits, self.group, c.backend, **turn)
 
     def fixed_tensors(self):
         return [*self.rotation.tensors(), *([] if self.projection is None else [self.projection])]
@@ -181,7 +182,7 @@ class TurboStorage(Storage):
     def token_bytes(self, s: Shape, kind: str) -> int:
         """One encoded token's bytes per row and KV head: codes, a (scale, zero) per group, and for a key
         with the sketch its sign bytes and norm."""
-        d, meta = s.head_dim, _scale_bytes(self.scale_dtype, s.dtype_bytes)
+        d, meta = s.head_dim, scale_bytes(self.scale_dtype, s.dtype_bytes)
         own = d * self.bits // 8 + 2 * (d // self.group_of(d)) * meta
         return own + (self.sketch_of(d) // 8 + meta if kind == "keys" and self.sketch else 0)
 
