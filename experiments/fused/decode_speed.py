@@ -44,6 +44,9 @@ from kvcompress.runtime.context_pass import after_prefill
 
 CONTENDERS = {
     "full": ("full", {}),
+    # ``full`` over the first half of the prompt only: what any ratio-0.5 selector reads at best, so its
+    # ratio to ``full`` bounds theirs (the weights and the rest of the step cost the same)
+    "full_half": ("full", {}),
     # the torch backend's tensor form, compiled from 1024 quantized tokens: what "auto" was when measured
     "int4": ("quant", {"bits": 4, "backend": "torch"}),
     "int8": ("quant", {"bits": 8, "backend": "torch"}),
@@ -87,6 +90,7 @@ REPLAYABLE |= {n for n in CONTENDERS if "low_rank" in n or "kernel" in n}
 def prepare(model, tokenizer, ids, name, reference=None):
     """A contender's cache after the prompt; ``reference``: the ``full`` state to replay, when allowed."""
     policy, params = CONTENDERS[name]
+    ids = ids[:, : ids.shape[1] // 2] if name == "full_half" else ids
     cache = DynamicCache(config=model.config) if policy is None else build_cache(policy, model, **params)
     t0 = time.perf_counter()
     if reference is not None and name in REPLAYABLE:

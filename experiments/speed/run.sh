@@ -128,5 +128,10 @@ if [[ $what == all || $what == step ]]; then
   # two selectors written since (keydiff asks attention for nothing; rkv re-compresses every 128 tokens)
   [ -f $S/update_512.json ] || $PY experiments/fused/decode_speed.py $S/update_512.json 512 5 8 --paired \
     full dynamic int4_kernel h2o_0.5 keydiff_0.5 rkv_0.5
+  # the bound on any ratio-0.5 selector: full over half the prompt (full_half), beside h2o at 0.5 and over int4
+  for n in 512 4096; do
+    [ -f $S/bound_$n.json ] || $PY experiments/fused/decode_speed.py $S/bound_$n.json $n 5 8 --paired \
+      full full_half dynamic int4_token h2o_0.5 h2o_0.5_int4
+  done
 fi
 $PY scripts/collect.py $R || true
