@@ -15,7 +15,9 @@ plan that no backend serves gets ``None`` from ``backend_for``; ``refusal`` name
 
 from __future__ import annotations
 
+import functools
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -122,7 +124,45 @@ def additive(mask: torch.Tensor | None, query, key) -> torch.Tensor | None:
     return zeros.masked_fill_(~mask, torch.finfo(query.dtype).min)
 
 
-BACKENDS: list[Backend] = [Sdpa(), Eager()]  # tried in order; registered ones go before these
+class Parts(Backend):
+    """A ``Heads`` read: each part's query heads (the query heads of its KV groups) attend over that part's
+    own read with the backend that serves it (chosen like any plan's), and the outputs are put back in the
+    model's head order. No probabilities: a selector that ranks by attention does not read parts."""
+
+    name = "parts"
+
+    def missing(self, plan, call):
+        if plan.form != "heads":
+            return f"reads KV heads held apart only, not {plan.form}"
+        return None if plan.probs == "none" else f"returns no probabilities (probs {plan.probs!r} asked)"
+
+    def run(self, plan, call):
+        q = call.query  # (B, H, q, D)
+        group = q.shape[1] // sum(len(heads) for heads, _ in plan.read.parts)
+        out = None
+        for heads, read in plan.read.parts:
+            idx = query_heads(heads, group, q.device)
+            part_plan, part_call = Plan(read, "none", plan.grouped), replace(call, query=q[:, idx])
+            found = chosen(part_plan, part_call)
+            if found is None:
+                raise refusal(part_plan, part_call)
+            got = found[1](part_plan, part_call)[0]  # (B, q, h, D)
+            if out is None:
+                out = got.new_empty(*got.shape[:2], q.shape[1], got.shape[-1])
+            out[:, :, idx] = got
+        return out, None
+
+
+@functools.cache
+def query_heads(kv_heads: tuple, group: int, device) -> torch.Tensor:
+    """The query heads (int64) of the KV heads ``kv_heads``, ``group`` query heads per KV head (made once per
+    part and device: a decode step builds no index tensor)."""
+    return (
+        torch.tensor(kv_heads, device=device)[:, None] * group + torch.arange(group, device=device)
+    ).flatten()
+
+
+BACKENDS: list[Backend] = [Sdpa(), Eager(), Parts()]  # tried in order; registered ones go before these
 _CHOSEN: dict[tuple, tuple | None] = {}  # signature -> (backend, its kernel) that serves it (None: none does)
 
 

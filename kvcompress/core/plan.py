@@ -2,11 +2,11 @@
 
 A layer never calls a kernel. Its step yields a ``Plan``: one read (``Dense`` key/value views and a mask,
 ``Kivi`` packed codes plus the residual window, ``Rotated`` codes of rotated tokens, ``Latent`` low-rank
-parts, or ``Pages`` of a cache read in place) and the query probabilities its selector needs afterwards
-(``probs``). A plan is frozen data: it holds tensors and small values, never a callable.
-``kvcompress.core.executor`` picks a backend (``kvcompress.kernels.backends``) that declares support for the
-plan, once per plan signature; when none serves a compact read, the attention hook asks the layer for the
-same step as a dense read (``kvcompress.core.attention``).
+parts, ``Pages`` of a cache read in place, or ``Heads``: one such read per group of KV heads) and the query
+probabilities its selector needs afterwards (``probs``). A plan is frozen data: it holds tensors and small
+values, never a callable. ``kvcompress.core.executor`` picks a backend (``kvcompress.kernels.backends``)
+that declares support for the plan, once per plan signature; when none serves a compact read, the attention
+hook asks the layer for the same step as a dense read (``kvcompress.core.attention``).
 
 A compact read carries the ``backend`` its storage or selector asks for (their ``backend`` field): ``auto``,
 the first backend that serves it, else the same step read dense; or one backend's name, which alone may run
@@ -131,13 +131,27 @@ class Pages:
 
 
 @dataclass(frozen=True)
+class Heads:
+    """KV heads held in separate stores (``storage.heads``, DuoAttention's retrieval and streaming heads):
+    ``parts``, one ``(kv_heads, read)`` per store, ``kv_heads`` the tuple of the layer's KV heads it holds and
+    ``read`` its own read (any form but ``Heads``), whose lengths may differ. The query heads of each part's
+    KV groups read that part alone; the outputs go back to the model's head order."""
+
+    parts: tuple
+
+    form = "heads"
+    backend = "auto"
+    required = False
+
+
+@dataclass(frozen=True)
 class Plan:
     """One step's attention: its ``read`` and the ``probs`` its selector needs (``PROBS``). ``grouped``: the
     layer's decode query attends in the grouped form of the eviction layers where a backend offers it, so
     equal kept tokens give equal outputs across selectors. A compact read that no backend serves is read
     dense instead, unless it is ``required`` (then the step is refused by name)."""
 
-    read: Dense | Kivi | Rotated | Latent | Pages
+    read: Dense | Kivi | Rotated | Latent | Pages | Heads
     probs: str = "none"
     grouped: bool = False
 

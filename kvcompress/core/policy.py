@@ -145,6 +145,12 @@ class Policy:
         """Bytes of the selector's own tensors (scores, positions, page summaries) at ``kept`` tokens."""
         return 0
 
+    def layer_parts(self, s: Shape, layer_idx: int) -> list[tuple[Shape, int]] | None:
+        """Layer ``layer_idx``'s KV heads as parts held in stores of their own, each ``(its shape, tokens it
+        keeps)``: one part of every head here (``kept_tokens``); a selector that splits heads gives more."""
+        kept = self.kept_tokens(s)
+        return None if kept is None else [(s, kept)]
+
 
 def _plain(value):
     """Nested policies as their descriptions (schedules, PyramidKV's inner policy)."""

@@ -16,15 +16,18 @@ def layer_bytes(policy: Policy, s: Shape, layer_idx: int, window: int | None = N
     storage = policy.storage
     if not (declares_formula(type(policy)) and declares_formula(type(storage))):
         return None  # a subclass may change what is kept or stored: its own class must say so
-    kept = policy.kept_tokens(s)
-    if kept is None:
+    parts = policy.layer_parts(s, layer_idx)
+    if parts is None:
         return None
     if policy.evicts == "always" and not storage.count_exact:
         return None  # which tokens sit in the full-precision window depends on the scores
-    stored = storage.bytes_for(s, kept)
-    if stored is None:
-        return None
-    return stored + storage.fixed_bytes(s, layer_idx) + policy.state_bytes(s, kept)
+    total = 0
+    for shape, kept in parts:
+        stored = storage.bytes_for(shape, kept)
+        if stored is None:
+            return None
+        total += stored + storage.fixed_bytes(shape, layer_idx) + policy.state_bytes(shape, kept)
+    return total
 
 
 def declares_formula(cls) -> bool:
