@@ -173,7 +173,7 @@ class DuoPolicy(Policy):
     def heads_of(self, layer_idx: int) -> list[bool]:
         """Which KV heads of layer ``layer_idx`` retrieve (``prepare`` ranked them)."""
         if getattr(self, "retrieval", None) is None:
-            raise ValueError(
+            raise RuntimeError(
                 "duo: its heads are ranked by prepare(model), which build_cache calls; call it first"
             )
         return [bool(x) for x in self.retrieval[layer_idx]]

@@ -24,6 +24,9 @@ class HeadSplitStore(Store):
     be None when the layer has no head of its kind); keys/values enter and leave as (B, H_kv, T, D)."""
 
     compact = True
+    heads: tuple = ((), ())  # set per layer; the defaults answer for a store described by its class alone
+    retrieval: Store | None = None
+    streaming: Store | None = None
 
     def __init__(self, config, layer_idx, spec, heads: tuple[tuple[int, ...], tuple[int, ...]]):
         super().__init__(config, layer_idx, spec)

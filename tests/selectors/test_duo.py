@@ -153,7 +153,7 @@ def test_bad_settings_are_refused_by_name(fields, match):
 
 
 def test_a_layer_before_the_heads_are_ranked_is_refused():
-    with pytest.raises(ValueError, match=r"prepare\(model\)"):
+    with pytest.raises(RuntimeError, match=r"prepare\(model\)"):
         make_policy("duo", **FIT).layer(0, SPEC)
 
 
