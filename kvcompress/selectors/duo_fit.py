@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from kvcompress.core.sources import digest
 from kvcompress.resources.assets import cache_dir
@@ -168,7 +169,7 @@ def fit_gates(model, docs, state: FitState, steps: int) -> dict:
     with torch.inference_mode(False), torch.enable_grad():
         state.gates = torch.ones(state.gates.shape, requires_grad=True)  # not an inference tensor
         opt = torch.optim.Adam([state.gates], lr=LR)
-        for step in range(steps):
+        for step in tqdm(range(steps), desc="duo: fitting the gates", disable=steps < 10):
             ids, ref = docs[step % len(docs)], refs[step % len(docs)]
             state.stream_mask = streaming_mask(ids.shape[1], state.sinks, state.window, ids.device)
             out = hidden(model, ids, state.last)
