@@ -10,13 +10,13 @@ Usage: ``python experiments/duo/run.py OUT.json``
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 from kvcompress import build_cache, make_policy
+from kvcompress.harness.results import environment
 from kvcompress.resources.files import write_text_atomic
 from kvcompress.resources.models import load_model
 
@@ -43,17 +43,26 @@ def main(out: str) -> None:
     found = duo_fit.ranking(model, policy.fit_text, policy.fit_documents, policy.fit_tokens, policy.fit_steps,
                             policy.sink_tokens, policy.window, policy.fit_dir)  # fmt: skip
     ids = torch.randint(2, 1000, (1, 1024), generator=torch.Generator().manual_seed(0))
+    rows = []
+    for share in SHARES:
+        gates, mass = duo_fit.top_heads(found["gates"], share), duo_fit.top_heads(found["mass"], share)
+        rows.append({
+            "retrieval_share": share, "retrieval_heads": int(gates.sum()),
+            "bytes_vs_full_1024": round(bytes_at(model, share, "gates", ids), 4),
+            "mass_chooses_of_gates": round(float((gates & mass).sum() / gates.sum().clamp_min(1)), 3),
+            "layers_without_retrieval": int((gates.sum(-1) == 0).sum()),
+        })  # fmt: skip
     record = {
-        "policy": policy.describe(), "agreement": found["agreement"], "seconds": found["seconds"],
-        "distill_first": found["distill_first"], "distill_last": found["distill_last"],
+        "status": "ok", "policy": policy.describe(), "rows": rows,
+        "metrics": {"spearman_gates_mass": round(found["agreement"]["spearman"], 4),
+                    "fit_seconds": round(found["seconds"], 1), "distill_first": found["distill_first"],
+                    "distill_last": round(found["distill_last"], 5)},
         "gates": found["gates"].tolist(), "mass": found["mass"].tolist(), "range": found["range"],
-        "bytes_vs_full_1024": {str(s): bytes_at(model, s, "gates", ids) for s in SHARES},
-        "retrieval_per_layer": {str(s): duo_fit.top_heads(found["gates"], s).sum(-1).tolist() for s in SHARES},
-        "env": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "torch": torch.__version__},
+        "environment": environment(model),
+        "command": "python experiments/duo/run.py experiments/duo/runs/main/results.json",
     }  # fmt: skip
     write_text_atomic(Path(out), json.dumps(record, indent=1))
-    print(json.dumps({k: record[k] for k in ("agreement", "seconds", "distill_first", "distill_last",
-                                               "bytes_vs_full_1024")}, indent=1))  # fmt: skip
+    print(json.dumps({"rows": rows, **record["metrics"]}, indent=1))
 
 
 if __name__ == "__main__":

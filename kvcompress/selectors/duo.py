@@ -35,7 +35,11 @@ class DuoLayer(PolicyLayer):
 
     pads_exactly = False  # sinks and window are cut by stored order: a left-padded row's sinks are padding
     per_row = ("stream_valid",)  # (B, 1, T_s) bool, or None: moved by beam reorders
-    read_valid = None  # ``stream_valid`` as the step's attention reads it
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.read_lengths: list[int] = []  # tokens each KV head's attention reads this step
+        self.read_valid: torch.Tensor | None = None  # ``stream_valid`` as the step's attention reads it
 
     def step(self, key_states, value_states, positions=None, forward=None):
         b, _, q, _ = key_states.shape

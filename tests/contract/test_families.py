@@ -72,9 +72,13 @@ def test_decode_paths_at_covering_budget_are_full_token_by_token(family):
 def _declared_refusal(name: str, model, apply_to: str, message: str) -> bool:
     """Whether ``message`` is the refusal ``name`` declares for this model: expected attention needs RoPE
     over the whole head; kvzip's context pass scores full-attention layers only (none left, or
-    ``apply_to=all`` over windowed layers)."""
+    ``apply_to=all`` over windowed layers); duo splits the heads of full-attention layers only."""
     if name == "expected_attention":
         return "RoPE must turn the whole head" in message
+    if name == "duo":  # its head split serves full-attention layers only
+        spec = model_spec(model)
+        windowed = any(spec.window(i) is not None for i in range(spec.num_layers))
+        return windowed and apply_to == "all" and "duo.apply_to=all" in message
     if name == "kvzip":
         spec = model_spec(model)
         windowed = [i for i in range(spec.num_layers) if spec.window(i) is not None]
