@@ -55,7 +55,8 @@ class DuoLayer(PolicyLayer):
     def attend(self, query, key, value):
         """Every head reads its own part's tokens (as stored before the step's eviction, which may come
         first); causal among the step's queries; never padding."""
-        lengths = self.read_lengths
+        lengths, read_valid = self.read_lengths, self.read_valid
+        self.read_valid = None  # step-local: no uncounted copy of the validity outlives the step
         if len(set(lengths)) == 1:
             return super().attend(query, key, value)
         self._view = (key.shape[-2], None, None)
@@ -69,7 +70,7 @@ class DuoLayer(PolicyLayer):
         if self.valid is None:
             return key, value, mask
         valid = torch.ones(key.shape[0], key.shape[1], t, dtype=torch.bool, device=device)
-        for heads, part in zip(self.store.heads, (self.valid, self.read_valid), strict=True):
+        for heads, part in zip(self.store.heads, (self.valid, read_valid), strict=True):
             if heads and part is not None:  # both parts exist here: the lengths differ
                 valid[:, list(heads), : part.shape[-1]] = part[:, :1]
         mask = mask & valid[:, :, None, :]
