@@ -57,9 +57,10 @@ def method_of(name: str) -> str:
     return base.replace("_int4", "+int4") if not base.startswith("quant") else "quant"
 
 
-def from_record(record: dict) -> Point | None:
-    """The record as a ``Point``; None for a record that is not a finished leaderboard point."""
-    name = point_name(record.get("run_dir", ""))
+def from_record(record: dict, name: str | None = None) -> Point | None:
+    """The record as a ``Point`` (named ``name``, else by its ``point=`` folder); None for a record that is
+    not a finished point."""
+    name = name or point_name(record.get("run_dir", ""))
     metrics = record.get("metrics") or {}
     if record.get("status") != "ok" or name is None or "cache_ratio" not in metrics:
         return None
@@ -144,7 +145,7 @@ def digest(table_rows: list[dict]) -> str:
     return hashlib.sha256(json.dumps(data).encode()).hexdigest()[:16]
 
 
-def _cell(value: float, low: float, high: float, signed: bool = False) -> str:
+def cell(value: float, low: float, high: float, signed: bool = False) -> str:
     fmt = "{:+.3f}" if signed else "{:.3f}"
     return f"{fmt.format(value)} [{fmt.format(low)}, {fmt.format(high)}]"
 
@@ -156,7 +157,7 @@ def markdown(table_rows: list[dict]) -> str:
     lines = [head]
     for r in table_rows:
         if "diff" in r:
-            versus = _cell(r["diff"], r["diff_low"], r["diff_high"], signed=True) + f" (n={r['paired']})"
+            versus = cell(r["diff"], r["diff_low"], r["diff_high"], signed=True) + f" (n={r['paired']})"
             verdict = "inside the noise" if r["noise"] else ("better" if r["diff"] > 0 else "worse")
         else:
             versus, verdict = "", "reference" if r["point"] == "full" else "no full record"
@@ -164,7 +165,7 @@ def markdown(table_rows: list[dict]) -> str:
             verdict = f"**did not compress** ({verdict})"
         lines.append(
             f"| {r['mode']} | {r['method']} | `{r['point']}` | {r['samples']} | {r['bytes']:.3f} | "
-            f"{_cell(r['score'], r['score_low'], r['score_high'])} | {versus} | {verdict} |"
+            f"{cell(r['score'], r['score_low'], r['score_high'])} | {versus} | {verdict} |"
         )
     return "\n".join(lines)
 

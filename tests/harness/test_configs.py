@@ -32,6 +32,14 @@ def _needs_missing_policy(path: Path) -> str | None:
     return None
 
 
+# the sweeps whose records are committed, and where (the rest write to multirun/<sweep_name>)
+COMMITTED = {
+    "leaderboard": "experiments/leaderboard/runs",
+    "frontier_duo": "experiments/frontier/runs/duo_after",
+    "frontier_kvzip": "experiments/frontier/runs/kvzip_prompt",
+}
+
+
 @pytest.mark.parametrize("group", ["sweep", "experiment"])
 def test_sweep_and_experiment_configs_compose_as_named_multiruns(group):
     paths = sorted((CONF / group).glob("*.yaml"))
@@ -42,11 +50,7 @@ def test_sweep_and_experiment_configs_compose_as_named_multiruns(group):
             continue
         cfg = _compose(f"{group}={path.stem}")
         assert cfg.hydra.mode.name == "MULTIRUN" and cfg.hydra.sweeper.params, path.name
-        runs = (
-            "experiments/leaderboard/runs"
-            if cfg.sweep_name == "leaderboard"
-            else f"multirun/{cfg.sweep_name}"
-        )
+        runs = COMMITTED.get(cfg.sweep_name, f"multirun/{cfg.sweep_name}")
         assert (
             cfg.sweep_name and cfg.hydra.sweep.dir == f"{Path.cwd()}/{runs}"
         )  # absolute: jobs start anywhere

@@ -57,6 +57,7 @@ def render(spec: str, root: Path, md_path: Path, write: bool = True) -> str | No
         "memory": catalog.memory_block,
         "generate": generation.generate_block,
         "leaderboard": leaderboard.block,
+        "frontier": leaderboard.frontier_block,
     }
     if kind not in kinds:
         raise ValueError(

@@ -1,9 +1,11 @@
-"""The ``leaderboard`` generated block (``kvcompress.harness.leaderboard`` computes and draws it)."""
+"""The ``leaderboard`` and ``frontier`` generated blocks (``kvcompress.harness.leaderboard`` and ``.frontier``
+compute them; the first also draws its figure)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from kvcompress.harness import frontier
 from kvcompress.harness import leaderboard as lb
 from kvcompress.harness.docgen.records import provenance
 from kvcompress.harness.report import load_records
@@ -28,4 +30,20 @@ def block(args: list[str], options: dict, root: Path, md_path: Path) -> str | No
         f"bootstrap over samples within each task ({lb.BOOTSTRAP} draws); `vs full` pairs each point with "
         f"`full` on the samples both answered in the same mode. Regenerate: `make leaderboard`._\n\n"
         + provenance(records, pattern)
+    )
+
+
+def frontier_block(args: list[str], options: dict, root: Path, md_path: Path) -> str | None:
+    """``frontier PATTERN [pending]``: a frontier search's finished trials, each paired with the leaderboard's
+    ``full`` in its question mode, the 5% rule and the Pareto set (``kvcompress.harness.frontier``)."""
+    records = load_records(root, args[0])
+    found = frontier.trials(records)
+    if not found:
+        return f"_No finished trials yet in `{args[0]}`._" if "pending" in args else None
+    table_rows = frontier.rows(found, [p for p in lb.load(root) if p.name == "full"])
+    return (
+        frontier.markdown(table_rows)
+        + f"\n\n_Within 5%: the paired difference from `full` is inside the noise and no lower than "
+        f"{frontier.WITHIN:.0%} of `full`'s score on the same samples. Intervals as in the leaderboard._\n\n"
+        + provenance(records, args[0])
     )
