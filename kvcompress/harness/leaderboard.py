@@ -50,11 +50,18 @@ def point_name(run_dir: str) -> str | None:
 
 
 def method_of(name: str) -> str:
-    """The line a point belongs to: its name without the ratio (``snapkv_r75_int4`` -> ``snapkv+int4``)."""
-    base = re.sub(r"_r\d+", "", name)
-    if base == "tiered":  # its memory_bytes() is the device tier: the cold pages sit in the host tier
+    """The line a point belongs to: its selector without the ratio, plus the storage it composes with
+    (``snapkv_r75_int4`` -> ``snapkv+int4``, ``kvzip_r75_turboquant_int4`` -> ``kvzip+turboquant_int4``);
+    a storage's own points share one line (``quant_int2`` -> ``quant``)."""
+    if name == "tiered":  # its memory_bytes() is the device tier: the cold pages sit in the host tier
         return "tiered (device bytes)"
-    return base.replace("_int4", "+int4") if not base.startswith("quant") else "quant"
+    storage = re.fullmatch(r"(quant|turboquant)_int\d", name)
+    if storage:
+        return storage.group(1)
+    composed = re.fullmatch(r"(.+?)_r\d+_((?:turboquant_)?int\d)", name)
+    if composed:
+        return f"{composed.group(1)}+{composed.group(2)}"
+    return re.sub(r"_r\d+", "", name)
 
 
 def from_record(record: dict, name: str | None = None) -> Point | None:

@@ -55,6 +55,9 @@ def test_rows_pair_each_point_with_full_on_the_shared_samples(tmp_path):
     assert lost["method"] == "snapkv" and rows["h2o_r50"]["method"] == rows["h2o_r75"]["method"] == "h2o"
     assert lb.method_of("kvzip_r75_int4") == "kvzip+int4" and lb.method_of("quant_int2") == "quant"
     assert lb.method_of("tiered") == "tiered (device bytes)"
+    assert lb.method_of("turboquant_int2") == "turboquant" and lb.method_of("duo_r75_int8") == "duo+int8"
+    assert lb.method_of("kvzip_r75_turboquant_int4") == "kvzip+turboquant_int4"
+    assert lb.method_of("expected_attention_r50_mean") == "expected_attention_mean"
     table = lb.markdown(lb.rows(lb.load(tmp_path)))
     assert "| question in prompt | snapkv | `snapkv_r75` | 40 | 0.250 | 0.000 [0.000, 0.000] |" in table
     assert "worse" in table and "inside the noise" in table and "reference" in table
