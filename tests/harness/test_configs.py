@@ -37,6 +37,7 @@ COMMITTED = {
     "leaderboard": "experiments/leaderboard/runs",
     "frontier_duo": "experiments/frontier/runs/duo_after",
     "frontier_kvzip": "experiments/frontier/runs/kvzip_prompt",
+    "leaderboard_4k": "experiments/leaderboard/runs_4k",
 }
 
 
