@@ -64,7 +64,9 @@ def rows(found: list[lb.Point], fulls: list[lb.Point]) -> list[dict]:
     for point in found:
         ref = full.get(point.question_in_prompt)
         r = lb.row(point, ref)
-        r["within"] = "diff" in r and r["noise"] and r["diff"] >= -WITHIN * _full_share(point, ref)
+        r["within"] = (
+            r["compressed"] and "diff" in r and r["noise"] and r["diff"] >= -WITHIN * _full_share(point, ref)
+        )  # a trial whose policy never acted (flagged) is no frontier point, whatever it scored
         out.append(r)
     for r in out:
         r["pareto"] = not any(_beats(o, r) for o in out if o["mode"] == r["mode"])
@@ -85,6 +87,7 @@ def markdown(table_rows: list[dict]) -> str:
         lines.append(
             f"| {r['mode']} | {r['method']}: {r['point']} | {r['samples']} | {r['bytes']:.3f} | "
             f"{lb.cell(r['score'], r['score_low'], r['score_high'])} | {versus} | "
-            f"{'yes' if r['within'] else 'no'} | {'yes' if r['pareto'] else ''} |"
+            f"{'yes' if r['within'] else 'no' if r['compressed'] else '**did not compress**'} | "
+            f"{'yes' if r['pareto'] else ''} |"
         )
     return "\n".join(lines)

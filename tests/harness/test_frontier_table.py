@@ -18,10 +18,11 @@ TASKS = ("kvc_ruler_a", "kvc_ruler_b")
 SEARCH = "experiments/frontier/runs/test"
 
 
-def _record(folder: Path, scores: dict, ratio: float, prompt: bool = False) -> None:
+def _record(folder: Path, scores: dict, ratio: float, prompt: bool = False, compressed: bool = True) -> None:
     cases = [{"task": t, "index": i, "doc": f"d{t}{i}", "score": s} for (t, i), s in scores.items()]
+    metrics = {"cache_ratio": ratio, "cases": cases, "compressed": compressed}
     record = {"status": "ok", "config": {"task": {"question_in_prompt": prompt}}, "policy_name": "duo",
-              "storage": "quant", "metrics": {"cache_ratio": ratio, "cases": cases}}  # fmt: skip
+              "storage": "quant", "metrics": metrics}  # fmt: skip
     write_json_atomic(folder / "results.json", record)
 
 
@@ -69,3 +70,14 @@ def test_a_trial_with_no_full_in_its_mode_is_never_within(tmp_path):
     _trial(tmp_path, 0.5, 4, 0, 0.2)
     (row,) = frontier.rows(frontier.trials(load_records(tmp_path, f"{SEARCH}/*")), lb.load(tmp_path))
     assert "diff" not in row and row["within"] is False and row["pareto"]
+
+
+def test_a_trial_whose_policy_never_acted_is_flagged_and_never_within(tmp_path):
+    _record(tmp_path / lb.RUNS / "point=full,task.question_in_prompt=False", _scores(0), 1.0)
+    _record(
+        tmp_path / SEARCH / "policy.retrieval_ratio=1.0,storage.bits=8", _scores(0), 0.3, compressed=False
+    )
+    records = load_records(tmp_path, f"{SEARCH}/*")
+    (row,) = frontier.rows(frontier.trials(records), lb.load(tmp_path))
+    assert row["noise"] and row["diff"] == 0 and row["within"] is False  # full's score, but it never acted
+    assert "| **did not compress** |" in frontier.markdown([row])
