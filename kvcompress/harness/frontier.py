@@ -45,7 +45,7 @@ def trials(records: list[dict]) -> list[lb.Point]:
 def _full_share(point: lb.Point, full: lb.Point) -> float:
     """``full``'s score on the samples ``point`` shares with it (the base of the 5% rule)."""
     shared = lb.shared_samples(point, full)
-    return lb.bootstrap(np.array([full.scores[k] for k in shared]), shared)[0] if shared else 0.0
+    return lb.task_mean(np.array([full.scores[k] for k in shared]), shared) if shared else 0.0
 
 
 def _beats(a: dict, b: dict) -> bool:

@@ -111,11 +111,16 @@ def _task_groups(keys: list) -> list[np.ndarray]:
     return [np.asarray(idx) for idx in by_task.values()]
 
 
+def task_mean(values: np.ndarray, keys: list) -> float:
+    """Mean over tasks of each task's mean of ``values`` (one per key): RULER's average."""
+    return float(np.mean([values[idx].mean() for idx in _task_groups(keys)]))
+
+
 def bootstrap(values: np.ndarray, keys: list) -> tuple[float, float, float]:
-    """Mean over tasks of each task's mean of ``values`` (one per key), with a 95% percentile bootstrap
-    that resamples ``BOOTSTRAP`` times within each task."""
+    """``task_mean`` of ``values`` (one per key), with a 95% percentile bootstrap that resamples
+    ``BOOTSTRAP`` times within each task."""
     rng, groups = np.random.default_rng(SEED), _task_groups(keys)
-    mean = float(np.mean([values[idx].mean() for idx in groups]))
+    mean = task_mean(values, keys)
     draws = [values[idx[rng.integers(0, len(idx), (BOOTSTRAP, len(idx)))]].mean(axis=1) for idx in groups]
     low, high = np.percentile(np.mean(draws, axis=0), [2.5, 97.5])
     return mean, float(low), float(high)
