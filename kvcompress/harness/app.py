@@ -28,7 +28,7 @@ from kvcompress.harness.results import (
     command_line,
     environment,
 )
-from kvcompress.harness.sweep import completed_record
+from kvcompress.harness.sweep import completed_record, running_process
 from kvcompress.resources import packed_linears
 from kvcompress.resources.files import write_json_atomic
 from kvcompress.resources.models import load_model
@@ -116,6 +116,7 @@ def run_experiment(cfg: DictConfig, out_dir: Path, raise_errors: bool = True) ->
         print(f"[kvcompress] skipped {out_dir}: results.json is ok for this config (resume=false reruns)")
         return done
     record, error, start = {"status": "running", "config": config, "code_version": version}, None, time.time()
+    record["process"] = running_process()  # lets a sweep's end tell a live run elsewhere from a killed one
     record["command"] = command_line(overrides=_hydra_overrides())
     write_json_atomic(out_dir / RESULTS_FILE, record)  # a killed run leaves status=running: redone on resume
     try:
@@ -128,6 +129,7 @@ def run_experiment(cfg: DictConfig, out_dir: Path, raise_errors: bool = True) ->
             record["failed_step"] = err.step
     finally:
         record["wall_s"] = time.time() - start
+        del record["process"]  # only a running record names its process
         write_json_atomic(out_dir / RESULTS_FILE, record)
     make_logger(cfg.get("logger")).log_run(record, out_dir)
     if error is not None and raise_errors:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import socket
 import sys
 from pathlib import Path
 
@@ -92,11 +94,49 @@ def completed_record(out_dir: Path, config: dict, resume=True, version: dict | N
     return record
 
 
+def running_process() -> dict:
+    """Where a run is going: its host and process id, kept in its record while it runs."""
+    return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def running_elsewhere(record: dict) -> bool:
+    """Whether ``record`` is a run still going in another live process on this host (a second sweep over
+    the same folder), rather than one that failed or was killed. A record of another host, or one written
+    before records named their process, cannot be checked here and counts as unfinished."""
+    process = record.get("process") or {}
+    pid = process.get("pid")
+    return (
+        record.get("status") == "running"
+        and process.get("host") == socket.gethostname()
+        and isinstance(pid, int)
+        and pid != os.getpid()
+        and _alive(pid)
+    )
+
+
+def unfinished(records: list[dict]) -> tuple[list[str], list[str]]:
+    """The run folders of ``records`` that did not finish ok: (failed or killed, still running elsewhere)."""
+    bad = [r for r in records if r.get("status") != "ok"]
+    elsewhere = [r["run_dir"] for r in bad if running_elsewhere(r)]
+    return [r["run_dir"] for r in bad if r["run_dir"] not in elsewhere], elsewhere
+
+
 class CollectCallback(Callback):
     """Hydra callback: at the end of a multirun, one table + plots from the sweep's records.
 
-    Exits with status 1 after collecting if any run failed (Hydra turns callback exceptions into
-    warnings, so the exit is explicit).
+    Exits with status 1 after collecting if any run failed or was killed (Hydra turns callback exceptions
+    into warnings, so the exit is explicit). A run another live process is still writing into the same sweep
+    folder (two sweeps sharing it) is listed, and does not fail this one.
     """
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
@@ -110,7 +150,10 @@ class CollectCallback(Callback):
         print(summary["markdown"])
         print("[kvcompress] wrote " + ", ".join(str(p) for p in summary["files"]))
         make_logger(config.get("logger")).log_sweep(summary, sweep_dir)
-        failed = [r["run_dir"] for r in summary["records"] if r.get("status") != "ok"]
+        failed, elsewhere = unfinished(summary["records"])
+        if elsewhere:
+            print(f"[kvcompress] {len(elsewhere)} run(s) still running in another process:", file=sys.stderr)
+            print("\n".join(elsewhere), file=sys.stderr)
         if failed:
             print(f"[kvcompress] {len(failed)} run(s) did not finish ok (see results.json):", file=sys.stderr)
             print("\n".join(failed), file=sys.stderr)
