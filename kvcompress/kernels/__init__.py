@@ -41,14 +41,10 @@ import platform
 import subprocess
 import sys
 import threading
-import time
 import warnings
 from pathlib import Path
 
-try:
-    import fcntl
-except ImportError:  # not on Windows
-    fcntl = None
+from kvcompress.resources.files import exclusive
 
 KERNELS = ("quant_attention", "page_attention", "rope_latent", "latent_values")
 ISAS = ("native", "portable")
@@ -147,31 +143,15 @@ def _build(kernel: str, isa: str):
 
 @contextlib.contextmanager
 def build_lock(folder: Path, what: str, wait_s: float | None = None):
-    """Hold the build of ``folder`` against every other process: an ``flock`` the operating system releases
-    when its holder dies, unlike torch's own lock file, which a killed build leaves behind for every later
-    one to wait on forever. Holding ours, no other build is running, so such a leftover file is removed.
-    Waits at most ``wait_s`` (``$KVCOMPRESS_KERNEL_WAIT_S``, default 1800 s), then raises ``TimeoutError``."""
+    """Hold the build of ``folder`` against every other process (``resources.files.exclusive``: an ``flock``
+    the operating system releases when its holder dies, unlike torch's own lock file, which a killed build
+    leaves behind for every later one to wait on forever). Holding ours, no other build is running, so such a
+    leftover file is removed. Waits at most ``wait_s`` (``$KVCOMPRESS_KERNEL_WAIT_S``, default 1800 s), then
+    raises ``TimeoutError``."""
     wait_s = float(os.environ.get(WAIT_ENV, "1800")) if wait_s is None else wait_s
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "kvcompress.lock", "a+b") as handle:
-        deadline = time.monotonic() + wait_s
-        while not _try_flock(handle):
-            if time.monotonic() > deadline:
-                held = f"another process has held the build of {what} in {folder} for {wait_s:.0f} s"
-                raise TimeoutError(held)
-            time.sleep(0.1)
+    with exclusive(folder / "kvcompress.lock", what, wait_s):
         (folder / "lock").unlink(missing_ok=True)  # torch's, left by a build that was killed
         yield
-
-
-def _try_flock(handle) -> bool:
-    if fcntl is None:  # no flock on this platform: torch's own lock file only
-        return True
-    try:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
 
 
 def why(kernel: str = "quant_attention", isa: str | None = None) -> str | None:
