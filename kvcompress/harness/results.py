@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from kvcompress.harness.tasks.slices import current_perplexity
+
 RESULTS_FILE = "results.json"
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the repository root in a source checkout
 # What committed records' configs spell otherwise today (``current_record``): the package of a ``_target_``
@@ -140,8 +142,11 @@ def current_names(node):
 
 def current_record(record: dict) -> dict:
     """A record read back (resume, tables) with its policy and storage configs under today's names
-    (``current_names``): a record written before a rename compares and reads as one written after it, and
-    committed records are never rewritten."""
+    (``current_names``) and its perplexity interval by today's method (``slices.current_perplexity``): a
+    record written before a rename or a change of method reads as one written after it, and committed
+    records are never rewritten."""
+    if isinstance(record.get("metrics"), dict):
+        record = {**record, "metrics": current_perplexity(record["metrics"])}
     config = record.get("config")
     if not isinstance(config, dict):
         return record

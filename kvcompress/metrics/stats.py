@@ -1,5 +1,6 @@
-"""Intervals on every number: a t-interval over text slices, Wilson intervals for accuracies, the median
-and interquartile range for speed, and a comparison that calls overlapping intervals what they are.
+"""Intervals on every number: a t-interval over text slices, computed on the logarithm for a positive
+quantity (perplexity) so it never crosses zero, Wilson intervals for accuracies, the median and
+interquartile range for speed, and a comparison that calls overlapping intervals what they are.
 
 No SciPy: the t quantiles for small samples are a table, larger ones an asymptotic expansion.
 """
@@ -38,6 +39,21 @@ def t_interval(values: list[float]) -> dict:
         return {"mean": mean, "low": None, "high": None, "n": 1}
     half = t975(n - 1) * statistics.stdev(values) / math.sqrt(n)
     return {"mean": mean, "low": mean - half, "high": mean + half, "n": n}
+
+
+def log_interval(values: list[float]) -> dict:
+    """Geometric mean and 95% interval of a positive quantity: the t-interval of ``log(values)``, mapped back
+    by ``exp`` (``{mean, low, high, n}``).
+
+    A t-interval on the values themselves can cross zero when slices differ a lot (perplexities 2, 3 and 60
+    give ``[-60.8, 104.1]``); on the log scale, where such a quantity is additive (log perplexity is the mean
+    NLL), the interval is ``[gm / f, gm * f]``: positive and asymmetric. Values must all be > 0."""
+    bad = [v for v in values if not (isinstance(v, (int, float)) and 0 < v < math.inf)]
+    if bad:
+        raise ValueError(f"log_interval: values must be finite and > 0 (a positive quantity); got {bad}")
+    ci = t_interval([math.log(v) for v in values])
+    low, high = (None, None) if ci["low"] is None else (math.exp(ci["low"]), math.exp(ci["high"]))
+    return {"mean": math.exp(ci["mean"]), "low": low, "high": high, "n": ci["n"]}
 
 
 def wilson(successes: int, n: int, z: float = Z95) -> tuple[float, float]:

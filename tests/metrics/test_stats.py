@@ -96,17 +96,27 @@ def test_perplexity_task_reports_the_mean_over_slices_and_keeps_each(llama, char
     ]
     assert [s["offset_tokens"] for s in got["slices"]] == [0, 200, 400]
     assert [s["perplexity"] for s in got["slices"]] == pytest.approx(own, rel=1e-5)
-    assert got["perplexity"] == pytest.approx(statistics.mean(own), rel=1e-5)
-    half = 4.303 * statistics.stdev(own) / math.sqrt(3)
-    assert got["perplexity_ci_high"] == pytest.approx(statistics.mean(own) + half, rel=1e-4)
+    logs = [math.log(p) for p in own]  # the interval is on log perplexity (mean NLL), then exponentiated
+    assert got["perplexity"] == pytest.approx(math.exp(statistics.mean(logs)), rel=1e-5)
+    half = 4.303 * statistics.stdev(logs) / math.sqrt(3)
+    assert got["perplexity_ci_high"] == pytest.approx(math.exp(statistics.mean(logs) + half), rel=1e-4)
+    assert got["perplexity_ci_low"] == pytest.approx(math.exp(statistics.mean(logs) - half), rel=1e-4)
     assert got["tokens_scored"] == 3 * 47 and got["slice_count"] == 3
 
 
 def test_combined_slices_compress_only_when_every_slice_did():
-    base = {"perplexity": 2.0, "nll": 0.7, "tokens_scored": 9, "cache_bytes": 10, "tokens_evicted": 0}
+    base = {
+        "perplexity": 2.0,
+        "nll": math.log(2.0),
+        "tokens_scored": 9,
+        "cache_bytes": 10,
+        "tokens_evicted": 0,
+    }
     got = combine_slices([{**base, "compressed": True}, {**base, "compressed": False, "warning": "w"}])
     assert got["compressed"] is False and got["warning"] == "w" and got["tokens_evicted"] == 0
-    assert got["perplexity_ci_low"] == got["perplexity_ci_high"] == 2.0  # no spread: a zero-width interval
+    assert (
+        got["perplexity_ci_low"] == pytest.approx(2.0) == got["perplexity_ci_high"]
+    )  # no spread: zero width
 
 
 def test_combined_slices_count_the_backends_of_every_slice():

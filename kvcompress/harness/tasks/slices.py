@@ -3,13 +3,14 @@
 One 1k-token text cannot tell two policies apart by a few tenths of perplexity: the spread between
 texts is larger. ``task.slices`` slices of ``task.max_tokens`` tokens start ``task.slice_stride`` tokens
 apart (16384 by default: on the embedded essays, whose essays run a few thousand tokens each, every slice
-falls in a different essay); the result is the mean over slices with a t-interval, and each slice's own
-numbers stay in the record.
+falls in a different essay); the result is the perplexity of the slices together, ``exp`` of their mean
+NLL, with a 95% interval computed on that log scale (a t-interval on the NLL, mapped back: it never crosses
+zero), and each slice's own numbers stay in the record.
 """
 
 from __future__ import annotations
 
-from kvcompress.metrics.stats import interval_fields, t_interval
+from kvcompress.metrics.stats import interval_fields, log_interval, t_interval
 
 PER_SLICE = ("offset_tokens", "perplexity", "nll", "tokens_scored", "cache_bytes", "tokens_evicted")
 
@@ -40,18 +41,29 @@ def slice_ids(tokenizer, text: str, starts: list[int], max_tokens: int, text_nam
     return [ids[:, s : s + max_tokens] for s in starts]
 
 
+def perplexity_fields(per_slice: list[dict]) -> dict:
+    """``perplexity`` and ``nll`` over slices with their 95% intervals: ``nll`` the mean and t-interval of the
+    slices' NLLs, ``perplexity`` the geometric mean of theirs (``exp`` of the mean NLL: the perplexity of the
+    slices pooled, equal lengths) with ``log_interval``, so the interval stays above zero."""
+    nll = t_interval([s["nll"] for s in per_slice])
+    ppl = log_interval([s["perplexity"] for s in per_slice])
+    return {
+        "perplexity": ppl["mean"],
+        **interval_fields("perplexity", ppl["low"], ppl["high"]),
+        "nll": nll["mean"],
+        **interval_fields("nll", nll["low"], nll["high"]),
+    }
+
+
 def combine_slices(per_slice: list[dict]) -> dict:
-    """One metrics dict from the slices' own: perplexity and nll as mean + 95% t-interval over slices,
+    """One metrics dict from the slices' own: perplexity and nll with 95% intervals (``perplexity_fields``),
     ``tokens_scored``, ``tokens_evicted`` and ``attention_backends`` summed, ``compressed`` only when every
     slice compressed, the cache fields of the first slice (equal lengths give equal bytes for all but
     score-dependent layouts), and ``slices``: each slice's offset, perplexity, nll, tokens and bytes."""
     first = per_slice[0]
     out = dict(first)
     out.pop("offset_tokens", None)
-    for name in ("perplexity", "nll"):
-        ci = t_interval([s[name] for s in per_slice])
-        out[name] = ci["mean"]
-        out |= interval_fields(name, ci["low"], ci["high"])
+    out |= perplexity_fields(per_slice)
     out["tokens_scored"] = sum(s["tokens_scored"] for s in per_slice)
     if all("tokens_evicted" in s for s in per_slice):
         out["tokens_evicted"] = sum(s["tokens_evicted"] for s in per_slice)
@@ -67,3 +79,20 @@ def combine_slices(per_slice: list[dict]) -> dict:
     out["slice_count"] = len(per_slice)
     out["slices"] = [{k: s.get(k) for k in PER_SLICE} for s in per_slice]
     return out
+
+
+def current_perplexity(metrics: dict) -> dict:
+    """``metrics`` of a record read back with its perplexity fields recomputed from its own slices by today's
+    method (``perplexity_fields``): a record written when the interval was a t-interval on the perplexities
+    themselves (which could cross zero) reads as one written today. Metrics without per-slice perplexity
+    and NLL are returned unchanged; the file is never rewritten."""
+    slices = metrics.get("slices") if isinstance(metrics, dict) else None
+    if "perplexity" not in (metrics or {}) or not isinstance(slices, list) or not slices:
+        return metrics
+    numbers = (int, float)
+    usable = all(
+        isinstance(s, dict) and isinstance(s.get("nll"), numbers) and isinstance(s.get("perplexity"), numbers)
+        and 0 < s["perplexity"] < float("inf")
+        for s in slices
+    )  # fmt: skip
+    return {**metrics, **perplexity_fields(slices)} if usable else metrics
