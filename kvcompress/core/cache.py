@@ -107,7 +107,7 @@ def policy_from_config(cfg: dict) -> Policy:
     return registry.instantiate(cfg, "policy")
 
 
-def make_policy(policy, **params) -> Policy:
+def make_policy(policy, /, **params) -> Policy:
     """A policy object from a name in ``conf/policy/`` (plus field overrides), a config dict or an existing
     object. ``storage=`` (a name, ``{"name": ..., field: value}`` or a ``Storage``) sets the storage axis."""
     if isinstance(policy, Policy):
@@ -140,7 +140,7 @@ def model_spec(model) -> ModelSpec:
     )
 
 
-def build_cache(policy, model, **params) -> KVCache:
+def build_cache(policy, model, /, **params) -> KVCache:
     """Build a policy cache for ``model``: ``policy`` is a name from ``conf/policy/``, a dict config or a
     ``Policy``; ``params`` override its fields (``storage=`` picks the storage axis: ``"quant"``,
     ``{"name": "quant", "bits": 4}``...). Refuses a selector/storage pair that cannot work, saying why.
