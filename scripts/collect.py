@@ -4,7 +4,7 @@ every results table in the docs (``--docs``); compare two runs (``--compare``).
 Usage:
     python scripts/collect.py multirun/<sweep> [--out DIR] [--csv out.csv] [--no-plots] [--columns a,b]
     python scripts/collect.py --docs [--check]        # = make results; --check: only report differences
-    python scripts/collect.py --compare RUN_A RUN_B [--metric perplexity]
+    python scripts/collect.py --compare RUN_A RUN_B [--metric M]  # = kvcompress compare RUN_A RUN_B
 
 Writes summary.md, summary.csv, pareto.png (perplexity vs cache bytes, 95% bars), niah_heatmap.png (depth x
 length per policy) and decode_speed.png (decode tokens/s vs context, interquartile bars) where the records
@@ -17,8 +17,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvcompress.harness.report import compare_records, csv_text, markdown_table
-from kvcompress.harness.results import load_record
+from kvcompress.harness.compare import main as compare_main
+from kvcompress.harness.report import csv_text, markdown_table
 from kvcompress.harness.summary import summarize
 
 
@@ -34,18 +34,10 @@ def docs(check: bool) -> int:
     return 1 if check and report.changed else 0
 
 
-def compare(a: Path, b: Path, metric: str) -> int:
-    """Print one sentence on two runs' ``metric``: paired over their text slices (or retrieval cases) when
-    both scored the same ones, else by their intervals; "not distinguishable" when the difference may be
-    noise."""
-    records = [load_record(p) for p in (a, b)]
-    records = [None if r is None else {**r, "run_dir": str(p)} for r, p in zip(records, (a, b), strict=True)]
-    for path, record in zip((a, b), records, strict=True):
-        if record is None or record.get("status") != "ok":
-            print(f"{path}: no ok results.json", file=sys.stderr)
-            return 1
-    print(compare_records(a.name, records[0], b.name, records[1], metric))
-    return 0
+def compare(a: Path, b: Path, metric: str | None) -> int:
+    """``kvcompress compare`` (``kvcompress.harness.compare``): one sentence on two runs' metric, chosen
+    from the records unless ``metric`` names one."""
+    return compare_main([str(a), str(b), *(["--metric", metric] if metric else [])])
 
 
 def main(argv=None) -> int:
@@ -58,7 +50,7 @@ def main(argv=None) -> int:
     parser.add_argument("--docs", action="store_true", help="regenerate every results table in the docs")
     parser.add_argument("--check", action="store_true", help="with --docs: report differences, write nothing")
     parser.add_argument("--compare", type=Path, nargs=2, metavar=("RUN_A", "RUN_B"), help="compare two runs")
-    parser.add_argument("--metric", default="perplexity", help="with --compare (default: perplexity)")
+    parser.add_argument("--metric", help="with --compare (default: chosen from the records)")
     args = parser.parse_args(argv)
     if args.docs:
         return docs(args.check)

@@ -1,8 +1,9 @@
 """Config groups as the registry: ``policy/<name>.yaml`` and ``storage/<name>.yaml`` under ``CONF_DIR``
 (``kvcompress/conf``, inside the package, so an installed wheel knows every policy) name what exists; their
 ``_target_`` says which class builds it. Extra folders laid out the same way (a ``policy/`` and/or
-``storage/`` subfolder) join through ``KVCOMPRESS_CONF_PATH`` (``os.pathsep``-separated), so a new selector
-or storage in your own package is one module plus one YAML.
+``storage/`` subfolder) join through ``KVCOMPRESS_CONF_PATH`` (``os.pathsep``-separated) and ``./conf``
+(``conf_path``: the Hydra app searches the same folders), so a new selector or storage in your own package
+is one module plus one YAML.
 
 The dataclass is the one declaration of a config's fields and defaults: a YAML holds its ``_target_`` and
 only the values that differ (``load`` lays them over ``declared(cls)``), so a field added to a base class
@@ -18,19 +19,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import importlib
 import os
 from pathlib import Path
 
+from kvcompress.core.conf_path import CONF_DIR, ENV, conf_dirs, extra_key, import_target
 from kvcompress.core.fields import refuse_renamed
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # kvcompress/conf: shipped in the wheel
-ENV = "KVCOMPRESS_CONF_PATH"
-
-
-def conf_dirs() -> list[Path]:
-    extra = [Path(p) for p in os.environ.get(ENV, "").split(os.pathsep) if p]
-    return [CONF_DIR, *extra]
+__all__ = ["CONF_DIR", "ENV", "conf_dirs", "import_target"]  # where configs are searched: core.conf_path
 
 
 def _files(group: str) -> dict[str, Path]:
@@ -60,7 +55,7 @@ def load(group: str, name: str) -> dict:
     target = own.get("_target_") if isinstance(own, dict) else None
     if not isinstance(target, str):
         raise ValueError(f"{path}: a {group} YAML needs a _target_ (the class that builds it)")
-    cls = import_target(target)
+    cls = import_target(target, where=str(path))  # a module that cannot be imported: named with the file
     fields = declared(cls)
     names = {f.name for f in dataclasses.fields(cls) if f.init} if dataclasses.is_dataclass(cls) else set(own)
     stray = sorted(set(own) - names - {"_target_"})
@@ -120,9 +115,10 @@ def _parsed(path: str, mtime_ns: int) -> dict:
 
 def trusted(path: str) -> bool:
     """Whether the dotted ``path`` (a module, or a module and a name in it) lies in kvcompress or in the
-    top-level package of a ``_target_`` in a YAML of the extra config folders (``KVCOMPRESS_CONF_PATH``)."""
+    top-level package of a ``_target_`` in a YAML of the extra config folders (``KVCOMPRESS_CONF_PATH``,
+    ``./conf``)."""
     root = path.split(".")[0]
-    return root == "kvcompress" or root in _plugin_roots(os.environ.get(ENV, ""))
+    return root == "kvcompress" or root in _plugin_roots(extra_key())
 
 
 def refuse_untrusted(path: str, what: str) -> None:
@@ -136,8 +132,8 @@ def refuse_untrusted(path: str, what: str) -> None:
 
 @functools.lru_cache(maxsize=8)
 def _plugin_roots(conf_path: str) -> frozenset[str]:
-    """Top-level packages of the ``_target_``s in the YAMLs of the extra config folders (``conf_path``, the
-    value of ``KVCOMPRESS_CONF_PATH``), read once per value."""
+    """Top-level packages of the ``_target_``s in the YAMLs of the extra config folders (``conf_path``:
+    ``conf_path.extra_key()``), read once per value."""
     from omegaconf import OmegaConf
 
     roots = set()
@@ -154,7 +150,7 @@ def name_of(cls: type, group: str) -> str | None:
     """The registry name of ``cls``: the one YAML of ``group`` whose ``_target_`` builds it or, for a class no
     YAML names (a test's subclass), its nearest base that one YAML names; None when none does, or when
     several YAMLs build the same class (a schedule: then the name it was made from, ``from_name``)."""
-    table = _targets(group, os.environ.get(ENV, ""))
+    table = _targets(group, extra_key())
     for c in cls.__mro__:
         if c in table:
             names = table[c]
@@ -164,9 +160,9 @@ def name_of(cls: type, group: str) -> str | None:
 
 @functools.lru_cache(maxsize=8)
 def _targets(group: str, conf_path: str) -> dict[type, list[str]]:
-    """``{class: [names]}`` of the YAMLs of ``group`` under the config folders of ``conf_path`` (the value
-    of ``KVCOMPRESS_CONF_PATH`` they were read under); a ``_target_`` that does not import is skipped (it
-    fails by name when that config is used)."""
+    """``{class: [names]}`` of the YAMLs of ``group`` under the config folders of ``conf_path`` (the extra
+    folders they were read under, ``extra_key``); a ``_target_`` that does not import is skipped (it fails by
+    name when that config is used)."""
     out: dict[type, list[str]] = {}
     for name, path in _files(group).items():
         target = _parsed(str(path), path.stat().st_mtime_ns)
@@ -178,19 +174,29 @@ def _targets(group: str, conf_path: str) -> dict[type, list[str]]:
     return out
 
 
-def import_target(target: str):
-    module, _, attr = target.rpartition(".")
-    return getattr(importlib.import_module(module), attr)
-
-
 def instantiate(cfg: dict, what: str):
-    """Build ``{_target_: ..., field: value}``; ``what`` names the config in errors."""
+    """Build ``{_target_: ..., field: value}``; ``what`` names the config in errors. A key its class does not
+    declare (a Hydra ``+policy.<typo>=...``) is refused as ``from_name`` refuses it, with the fields."""
     cfg = dict(cfg)
     target = cfg.pop("_target_", None)
     if target is None:
         raise ValueError(f"{what} config needs a _target_ (got keys {sorted(cfg)})")
-    cls = import_target(target)
-    return cls.from_config(cfg) if hasattr(cls, "from_config") else cls(**cfg)
+    cls = import_target(target, where=f"{what} config")
+    if hasattr(cls, "from_config"):
+        return cls.from_config(cfg)
+    if dataclasses.is_dataclass(cls):
+        fields = {f.name for f in dataclasses.fields(cls) if f.init}
+        own = fields - {"storage"} if what == "policy" else fields
+        _refuse_unknown(what, name_of(cls, what) or cls.__name__, own, set(cfg) - fields)
+    return cls(**cfg)
+
+
+def _refuse_unknown(group: str, name: str, fields: set[str], unknown: set[str]) -> None:
+    """Raise for keys ``unknown`` that ``group`` ``name`` (whose fields are ``fields``) does not declare: a
+    removed field says what replaced it, any other lists the fields."""
+    refuse_renamed(name, fields, sorted(unknown), group)
+    if unknown:
+        raise ValueError(f"{group} {name!r} has no field(s) {sorted(unknown)}; fields: {sorted(fields)}")
 
 
 def from_name(group: str, name: str, params: dict, always: tuple = ()):
@@ -199,9 +205,7 @@ def from_name(group: str, name: str, params: dict, always: tuple = ()):
     cfg = load(group, name)
     fields = set(cfg) - {"_target_"}
     unknown = set(params) - fields - set(always)
-    refuse_renamed(name, fields, sorted(unknown), group)  # a removed field: say what replaced it
-    if unknown:
-        raise ValueError(f"{group} {name!r} has no field(s) {sorted(unknown)}; fields: {sorted(fields)}")
+    _refuse_unknown(group, name, fields, unknown)  # a removed field says what replaced it
     made = instantiate({**cfg, **params}, group)
     if group == "policy":  # the one name of a class several YAMLs build (a schedule preset)
         made.registry_name = name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -11,8 +12,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+import kvcompress.harness.cli_help  # noqa: F401  (the kvc_help resolver of hydra.help.template)
 import kvcompress.harness.hydra_groups  # noqa: F401  (the declared/ groups the primary config composes)
 from kvcompress.core.registry import CONF_DIR as REGISTRY_DIR
+from kvcompress.harness import compare
 from kvcompress.harness.sweep import run_dirname
 
 CONF_DIR = str(REGISTRY_DIR)  # the Hydra tree is the registry's folder, inside the package
@@ -37,10 +40,17 @@ def _main(cfg: DictConfig) -> None:
     from kvcompress.harness.app import run_experiment
 
     hydra_cfg = HydraConfig.get()
+    out_dir, single = Path(hydra_cfg.runtime.output_dir), hydra_cfg.mode != RunMode.MULTIRUN
     # In a sweep a failed run is recorded and the sweep goes on; the end-of-sweep callback reports it.
-    record = run_experiment(
-        cfg, Path(hydra_cfg.runtime.output_dir), raise_errors=hydra_cfg.mode != RunMode.MULTIRUN
-    )
+    try:
+        record = run_experiment(cfg, out_dir, raise_errors=single)
+    except (ValueError, ImportError) as err:  # a bad input: its message names the field and what is allowed
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"Error: {err}\n(record: {out_dir}; HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
+        raise SystemExit(1) from None
+    if single:
+        print(f"[kvcompress] output folder: {out_dir}")
     return objectives(record, cfg.get("objectives"))
 
 
@@ -67,12 +77,21 @@ SUBCOMMANDS = {"bench": "task=bench", "compare": "task=compare"}
 
 def main() -> None:
     """``kvcompress [bench|compare] [overrides...]``: a subcommand is shorthand for its task override;
-    ``kvcompress ask ...`` answers questions on a context file (``harness.ask``, its own options)."""
-    if len(sys.argv) > 1 and sys.argv[1] == "ask":
+    ``kvcompress ask ...`` answers questions on a context file (``harness.ask``, its own options);
+    ``kvcompress compare RUN_A RUN_B`` compares two finished runs (``harness.compare``);
+    ``kvcompress check-policy NAME`` runs the contract checks on a policy (``harness.check_policy``)."""
+    command, rest = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else (None, [])
+    if command == "ask":
         from kvcompress.harness.ask import main as ask
 
-        ask(sys.argv[2:])
+        ask(rest)
         return
-    if len(sys.argv) > 1 and sys.argv[1] in SUBCOMMANDS:
-        sys.argv[1] = SUBCOMMANDS[sys.argv[1]]
+    if command == "check-policy":
+        from kvcompress.harness.check_policy import main as check_policy
+
+        sys.exit(check_policy(rest))
+    if command == "compare" and compare.wants_runs(rest):
+        sys.exit(compare.main(rest))
+    if command in SUBCOMMANDS:
+        sys.argv[1] = SUBCOMMANDS[command]
     _main()

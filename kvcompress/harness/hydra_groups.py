@@ -21,7 +21,8 @@ option from the first source that has it, and the YAML files of ``kvcompress/con
 ConfigStore, so a structured config of the same name would never be read. Importing this module (the app,
 ``kvcompress.harness.cli``, does) registers the entries; a composition without it fails by name
 (``declared/policy``, ``kvc_declared``) instead of silently composing the bare YAML. Plugin names
-(``KVCOMPRESS_CONF_PATH``) get entries too, for a Hydra search path that reaches their YAMLs.
+(``KVCOMPRESS_CONF_PATH``, ``./conf``) get entries too, and config.yaml's ``hydra.searchpath``
+(``kvc_searchpath``) reaches their YAMLs.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from __future__ import annotations
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from kvcompress.core import registry
+from kvcompress.core import conf_path, registry
 
 GROUPS = ("policy", "storage")
 
@@ -56,4 +57,7 @@ def _choice(name) -> str:
 
 
 OmegaConf.register_new_resolver("kvc_declared", _choice, replace=True)
+# hydra.searchpath of config.yaml: the folders build_cache searches beyond the package (KVCOMPRESS_CONF_PATH,
+# ./conf), so a plugin's policy=<name> needs no hydra.searchpath flag
+OmegaConf.register_new_resolver("kvc_searchpath", conf_path.searchpath, replace=True)
 register()
