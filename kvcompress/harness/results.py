@@ -60,15 +60,47 @@ def _dirty_hash(root: Path, package: str) -> str | None:
     return digest.hexdigest()[:12] if diff or untracked else None
 
 
-def code_version(root: Path = PACKAGE_ROOT, package: str = "kvcompress") -> dict:
-    """The code that produced a record: ``{"commit", "dirty_hash"}``.
+SOURCE_SUFFIXES = (".py", ".yaml", ".cpp", ".h")  # what the package's behaviour is made of
 
-    ``dirty_hash`` is a short hash of the uncommitted diff (and untracked files) of ``package/``, None
-    when that is clean. Both are None when git or the repository is missing (an installed wheel): such
-    a version is unknown, and ``resume=true`` reruns records of an unknown version.
+
+def files_hash(package_dir: Path) -> str | None:
+    """Short content hash of the package's own source files (``SOURCE_SUFFIXES``, sorted by relative path;
+    caches and built objects left out): equal for the same code in a checkout, a wheel or a copy."""
+    files = sorted(p for p in Path(package_dir).rglob("*") if p.suffix in SOURCE_SUFFIXES and p.is_file())
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.relative_to(package_dir).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def installed_version(package: str = "kvcompress") -> str | None:
+    """The version of ``package`` its installation declares (``importlib.metadata``), or None."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def code_version(root: Path = PACKAGE_ROOT, package: str = "kvcompress") -> dict:
+    """The code that produced a record: ``{"commit", "dirty_hash", "version", "files_hash"}``.
+
+    ``commit`` and ``dirty_hash`` (a short hash of the uncommitted diff and untracked files of ``package/``,
+    None when clean) come from git and are None without a checkout (an installed wheel). ``version`` is the
+    installed package's version and ``files_hash`` the content hash of ``root/package``'s source files
+    (``files_hash``): an installed package knows its code too, and ``resume`` compares it
+    (``sweep._version_mismatch``).
     """
     commit = git_commit(root)
-    return {"commit": commit, "dirty_hash": _dirty_hash(root, package) if commit else None}
+    return {
+        "commit": commit,
+        "dirty_hash": _dirty_hash(root, package) if commit else None,
+        "version": installed_version(package),
+        "files_hash": files_hash(Path(root) / package),
+    }
 
 
 def machine() -> dict:

@@ -3,7 +3,8 @@
 ``kvcompress -m ...`` writes each run to ``multirun/<sweep_name>/<overrides>/results.json``: the folder
 depends only on the sweep name and the run's overrides, so the same command started again finds every
 record. A record counts as done when its status is ``ok``, its config equals the new run's config and
-(with the default ``resume=true``) it was written by the same code version (``results.code_version``).
+(with the default ``resume=true``) it was written by the same code version (``results.code_version``: the git
+commit and uncommitted changes in a checkout, the hash of the package's files in an installed package).
 """
 
 from __future__ import annotations
@@ -61,13 +62,24 @@ def resume_mode(value) -> str:
 
 
 def _version_mismatch(recorded, current) -> str | None:
-    """Why a record of code version ``recorded`` may not stand for ``current``, or None if it may."""
-    if not current or not current.get("commit"):
-        return "the current code version is unknown (no git checkout)"
-    if not recorded or not recorded.get("commit"):
-        return "the record carries no code version (written by older kvcompress, or without git)"
-    if recorded != current:
-        return f"it was written by code version {recorded}, the code is now {current}"
+    """Why a record of code version ``recorded`` may not stand for ``current``, or None if it may.
+
+    Both from a git checkout: the same commit and uncommitted changes (and the same files, when both hashed
+    them). Otherwise (an installed package) the same hash of the package's files: a record of the same code
+    is reused whether a checkout, a wheel or a copy wrote it."""
+    current, recorded = current or {}, recorded or {}
+    if current.get("commit") and recorded.get("commit"):
+        keys = ["commit", "dirty_hash"] + (["files_hash"] if recorded.get("files_hash") else [])
+    elif current.get("files_hash") and recorded.get("files_hash"):
+        keys = ["files_hash"]
+    elif not current.get("commit") and not current.get("files_hash"):
+        return "the current code version is unknown (no git checkout and no package files to hash)"
+    else:
+        return "the record carries no code version it can be compared on (written by older kvcompress)"
+    if any(recorded.get(k) != current.get(k) for k in keys):
+        shown = {k: recorded.get(k) for k in ("version", *keys)}
+        now = {k: current.get(k) for k in ("version", *keys)}
+        return f"it was written by code version {shown}, the code is now {now}"
     return None
 
 

@@ -163,16 +163,15 @@ def test_code_version_hashes_uncommitted_changes_of_the_package_only(tmp_path):
     assert code_version(repo)["dirty_hash"] not in (None, first["dirty_hash"])
 
 
-def test_code_version_is_none_without_git_or_outside_a_repository(tmp_path, monkeypatch):
+def test_code_version_has_no_commit_without_git_or_outside_a_repository(tmp_path, monkeypatch):
     inner = tmp_path / "repo" / "site-packages"
     inner.mkdir(parents=True)
     _git(tmp_path / "repo", "init", "-q")
-    assert code_version(inner) == {
-        "commit": None,
-        "dirty_hash": None,
-    }  # another repository's commit is not ours
-    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # git is not installed
-    assert code_version() == {"commit": None, "dirty_hash": None}
+    got = code_version(inner)  # another repository's commit is not ours; no package files there to hash
+    assert (got["commit"], got["dirty_hash"], got["files_hash"]) == (None, None, None)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # git is not installed: the files still say the code
+    got = code_version()
+    assert (got["commit"], got["dirty_hash"]) == (None, None) and len(got["files_hash"]) == 16
 
 
 def test_this_checkout_has_a_version():
