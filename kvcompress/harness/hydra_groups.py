@@ -57,7 +57,15 @@ def _choice(name) -> str:
 
 
 OmegaConf.register_new_resolver("kvc_declared", _choice, replace=True)
-# hydra.searchpath of config.yaml: the folders build_cache searches beyond the package (KVCOMPRESS_CONF_PATH,
-# ./conf), so a plugin's policy=<name> needs no hydra.searchpath flag
-OmegaConf.register_new_resolver("kvc_searchpath", conf_path.searchpath, replace=True)
+
+
+def searchpath() -> list[str]:
+    """``hydra.searchpath`` of config.yaml (``kvc_searchpath``): the folders ``build_cache`` searches beyond
+    the package (``KVCOMPRESS_CONF_PATH``, ``./conf``), so ``policy=<plugin>`` needs no flag. Read before each
+    composition's defaults, so it first stores the ``declared`` entries of the names the folders hold now."""
+    register()
+    return conf_path.searchpath()
+
+
+OmegaConf.register_new_resolver("kvc_searchpath", searchpath, replace=True)
 register()

@@ -43,8 +43,12 @@ COMMITTED = {
 
 @pytest.mark.parametrize("group", ["sweep", "experiment"])
 def test_sweep_and_experiment_configs_compose_as_named_multiruns(group):
-    paths = sorted((CONF / group).glob("*.yaml"))
-    assert paths, f"no conf/{group}/*.yaml"
+    """The package's sweeps and the checkout's own experiments (``./conf/experiment``, found from the
+    checkout's root with no flag) compose as named multiruns."""
+    from kvcompress.core.conf_path import conf_dirs
+
+    paths = sorted(path for root in conf_dirs() for path in (root / group).glob("*.yaml"))
+    assert paths, f"no {group}/*.yaml in {conf_dirs()}"
     for path in paths:
         missing = _needs_missing_policy(path)
         if missing:  # e.g. quant_bits before the quant policy is merged
