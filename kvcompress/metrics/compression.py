@@ -11,41 +11,14 @@ one-token streaming, a budget that covers the whole text) reports ``full``'s num
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections import Counter
 
-import torch
-
-from kvcompress.core.cache import build_cache
+from kvcompress.metrics.reference import full_cache_bytes as full_cache_bytes  # the reference, re-exported
 
 
 def tokens_evicted(cache) -> int:
     """Tokens dropped so far, summed over layers (``stats()["tokens_evicted"]``; 0 for layers without it)."""
     return sum(int(s.get("tokens_evicted", 0)) for s in cache.stats())
-
-
-_FULL_BYTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {tokens: bytes of one row}
-
-
-def full_cache_bytes(model, tokens: int, batch: int = 1) -> int:
-    """Bytes of the uncompressed (``full``) cache over ``tokens`` tokens: the reference of ``cache_ratio``.
-
-    Measured on one row of a real ``full`` cache and multiplied by ``batch``: every tensor ``full`` holds is
-    per row (keys, values; positions and padding offsets on windowed layers), so a batch holds exactly
-    ``batch`` times one row's bytes. One row is measured once per model and length (a batched evaluation
-    asks for the same reference at every call)."""
-    known, key = _FULL_BYTES.setdefault(model, {}), (tokens, str(model.dtype), str(model.device))
-    if key not in known:
-        known[key] = _measure_full(model, tokens)
-    return batch * known[key]
-
-
-@torch.inference_mode()
-def _measure_full(model, tokens: int) -> int:
-    cache = build_cache("full", model)
-    ids = torch.zeros(1, tokens, dtype=torch.long, device=model.device)
-    model(ids, cache=cache, use_cache=True, logits_to_keep=1)
-    return cache.memory_bytes()
 
 
 def read_counts(cache) -> tuple[float, int]:

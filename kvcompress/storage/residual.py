@@ -88,6 +88,13 @@ class ResidualStore(Store):
         raise NotImplementedError
 
     # -- the Store interface ----------------------------------------------------------------
+    def stats(self) -> dict:
+        """``encoded_tokens`` (per row and head) and ``exact_window`` (the newest tokens kept in the model's
+        dtype, ``recent``): the same two names in every such storage, so a result can say when the window
+        held every kept token and nothing was encoded (``metrics.acted``)."""
+        window = getattr(self.config, "recent", 0)
+        return {**super().stats(), "encoded_tokens": self.encoded_length, "exact_window": window}
+
     @property
     def encoded_length(self) -> int:
         parts = self.encoded[self.kinds[0]]

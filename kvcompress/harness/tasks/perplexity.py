@@ -13,6 +13,7 @@ from kvcompress.core.cache import build_cache
 from kvcompress.harness.guard import check_fits
 from kvcompress.harness.tasks.slices import combine_slices, slice_ids, slice_starts
 from kvcompress.metrics import decode_perplexity, measure_speed, peak_rss_bytes
+from kvcompress.metrics.acted import storage_cause, storage_check, storage_use, window_check
 from kvcompress.metrics.compression import (
     attention_backends,
     compression_check,
@@ -76,6 +77,7 @@ def _score(model, tokenizer, ids, policy, cfg, chars) -> dict:
         progress=cfg.get("progress", True),
         prefix_tokens=cfg.get("prefix_tokens"),
         after_prefix=after_prefill(model, tokenizer),
+        check=False,  # checked below, with the task's own settings named
     )
     metrics["build_cache_s"] = build_s
     metrics["calibration_ranges"] = spans
@@ -90,11 +92,13 @@ def _score(model, tokenizer, ids, policy, cfg, chars) -> dict:
     per_token = metrics["cache_bytes"] - metrics["fixed_bytes"]
     metrics["per_token_cache_ratio"] = per_token / metrics["full_cache_bytes"]  # bases left out
     metrics["attention_backends"] = attention_backends(cache)  # which backend computed the numbers
+    cause = storage_cause(cache, storage_use(cache.stats()))  # an exact window that held every kept token
     check = compression_check(
         policy.name, tokens_evicted(cache), per_token, metrics["full_cache_bytes"],
-        _never_compressed_hint(cfg), read_ratio(cache),
+        f"{cause}." if cause else _never_compressed_hint(cfg), read_ratio(cache),
     )  # fmt: skip
-    return metrics | check
+    check |= storage_check(cache, warn=check["compressed"])  # a run that did not compress warned with it
+    return metrics | check | window_check(cache)
 
 
 def run(model, tokenizer, policy, cfg) -> dict:

@@ -30,6 +30,14 @@ class SnapKVLayer(EvictionLayer):
 
     per_row = (*EvictionLayer.per_row, "queries")
 
+    def __init__(self, policy, layer_idx, spec, store):
+        super().__init__(policy, layer_idx, spec, store)
+        self.window_cut = 0  # compressions whose window was cut by a short forward or a small budget
+
+    def reset(self) -> None:
+        super().reset()
+        self.window_cut = 0
+
     def observe_attention(self, query, key, scaling: float, probs=None) -> None:
         p, k, stored = self.policy, self.target(), self.stored_length()
         w = p.observation_window
@@ -44,10 +52,15 @@ class SnapKVLayer(EvictionLayer):
     def compress_with(self, queries, key, scaling: float, k: int) -> None:
         """Keep the window (the last ``w`` tokens) and the ``k - w`` prefix tokens the window votes for."""
         w = min(self.policy.observation_window, queries.shape[2], k)
+        self.window_cut += w < self.policy.observation_window  # a prompt (or budget) shorter than the window
         votes = self.scores(queries, key, scaling, w).sum(dim=2)  # (B, H_kv, T)
         t = votes.shape[-1]
         prefix = pool_scores(votes[..., : t - w], self.policy.kernel_size, self.policy.pooling)
         self.select(torch.cat([prefix, votes[..., t - w :]], dim=-1), k, protect=w)
+
+    def stats(self) -> dict:
+        return {**super().stats(), "observation_window": self.policy.observation_window,
+                "window_cut": self.window_cut}  # fmt: skip
 
 
 @dataclass
