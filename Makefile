@@ -58,6 +58,26 @@ test-portable: install
 test-fast: install
 	$(PARALLEL) tests -m "not integration and not slow"
 
+# kvpress (pinned, with the transformers it allows) in its own venv beside $(VENV), same CPU torch: the
+# differential test against the reference (tests/peers, tiny random models), then the recorded comparison on the
+# embedded model (experiments/peers/record.json; docs/methods.md's table comes from it by `make results`).
+PEERS_VENV ?= .venv-peers
+KVPRESS ?= kvpress==0.5.5
+PEERS_PROMPTS ?= 5
+
+$(PEERS_VENV)/.installed:
+	$(PY) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install -q --upgrade pip
+	$(PEERS_VENV)/bin/pip install -q "$(TORCH)"
+	$(PEERS_VENV)/bin/pip install -q "$(KVPRESS)" "transformers<5.3" "$(TORCH)"
+	touch $@
+
+.PHONY: test-peers
+test-peers: install $(PEERS_VENV)/.installed
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -p no:xdist tests/peers
+	$(BIN)/python -m experiments.peers.record --prompts $(PEERS_PROMPTS) --out experiments/peers/record.json
+	$(BIN)/python scripts/collect.py --docs
+
 bench: install
 	$(BIN)/kvcompress bench hydra.run.dir=outputs/bench
 

@@ -1,0 +1,74 @@
+"""The parameter sets that reproduce kvpress: each kvpress press (with its kwargs) beside the kvcompress policy
+config that makes the same choices. Plain data, read by both sides of the differential test (this file imports
+nothing, so the kvpress venv can load it too).
+
+Each entry: ``press`` (a kvpress class name and its kwargs; ``press`` inside it is the inner scorer of a
+wrapper), ``ours`` (a kvcompress policy: a registered name or a ``_target_``, and its fields), ``expect`` (the
+kept-set Jaccard asserted on the tiny models: 1.0 where both implement the same selection; None where the
+difference is a named deviation in docs/methods.md) and ``note`` (why). ``compression_ratio`` is added to both
+sides at run time (to the inner press of a wrapper). ``window_from_keep``: our window is sized per prompt as
+kvpress sizes it, ``int(T * (1 - ratio)) - sink_tokens``.
+"""
+
+KVPRESS_VERSION = "0.5.5"
+
+SNAPKV_PRESS = {"name": "SnapKVPress", "window_size": 64, "kernel_size": 5}
+SNAPKV_OURS = {"name": "snapkv", "observation_window": 64, "kernel_size": 5, "pooling": "avg"}
+
+METHODS = {
+    "snapkv": {
+        "press": SNAPKV_PRESS,
+        "ours": SNAPKV_OURS,
+        "expect": 1.0,
+        "note": "kvpress's window is 64 queries; ours defaults to 32 (the SnapKV paper's code), so 64 is set",
+    },
+    "tova": {"press": {"name": "TOVAPress"}, "ours": {"name": "tova"}, "expect": 1.0, "note": ""},
+    "knorm": {
+        "press": {"name": "KnormPress"},
+        "ours": {"name": "knorm", "recent": 0},
+        "expect": 1.0,
+        "note": "ours is the example plugin (tests/plugins: knorm), with recent=0 as kvpress",
+    },
+    "streaming_llm": {
+        "press": {"name": "StreamingLLMPress", "n_sink": 4},
+        "ours": {"name": "sliding_window", "sink_tokens": 4, "window_from_keep": True},
+        "expect": 1.0,
+        "note": "ours holds a fixed window; it is sized per prompt to kvpress's int(T(1-r)) - 4",
+    },
+    "keydiff": {"press": {"name": "KeyDiffPress"}, "ours": {"name": "keydiff"}, "expect": 1.0, "note": ""},
+    "expected_attention": {
+        "press": {"name": "ExpectedAttentionPress", "n_future_positions": 512, "n_sink": 4},
+        "ours": {"name": "expected_attention", "future_positions": 512, "sink_tokens": 4},
+        "expect": 1.0,
+        "note": "",
+    },
+    "pyramidkv": {
+        "press": {"name": "PyramidKVPress", "window_size": 64, "kernel_size": 5, "beta": 20},
+        "ours": {
+            "_target_": "kvcompress.selectors.PyramidKVPolicy",
+            "beta": 20,
+            "window_in_budget": True,
+            "policy": {"_target_": "kvcompress.selectors.SnapKVPolicy", **SNAPKV_OURS, "name": None},
+        },
+        "expect": 1.0,
+        "note": "kvpress counts the window inside each layer's budget (window_in_budget=true)",
+    },
+    "adakv_snapkv": {
+        "press": {"name": "AdaKVPress", "alpha_safeguard": 0.2, "press": SNAPKV_PRESS},
+        "ours": {**SNAPKV_OURS, "adaptive": True, "adaptive_floor": 0.2},
+        "expect": None,
+        "note": "measured: kvpress masks pairs inside the full cache, ours stores per-head sets",
+    },
+    "chunkkv_snapkv": {
+        "press": {"name": "ChunkKVPress", "chunk_length": 20, "press": SNAPKV_PRESS},
+        "ours": {**SNAPKV_OURS, "unit": "chunk", "chunk_size": 20},
+        "expect": None,
+        "note": "kvpress picks one chunk set for all heads (scores summed over heads), ours per KV head",
+    },
+    "kvzip": {
+        "press": {"name": "KVzipPress", "n_sink": 4, "chunk_size": 2048},
+        "ours": {"name": "kvzip", "sink_tokens": 4, "context_chunk": 2048, "budget_scope": "model"},
+        "expect": None,
+        "note": "measured: the reconstruction prompts and chat turn differ between the two",
+    },
+}
