@@ -14,8 +14,9 @@ from omegaconf import DictConfig, OmegaConf
 
 import kvcompress.harness.cli_help  # noqa: F401  (the kvc_help resolver of hydra.help.template)
 import kvcompress.harness.hydra_groups  # noqa: F401  (the declared/ groups the primary config composes)
+from kvcompress.core.conf_path import conf_dirs
 from kvcompress.core.registry import CONF_DIR as REGISTRY_DIR
-from kvcompress.harness import compare
+from kvcompress.harness import compare, extras
 from kvcompress.harness.sweep import run_dirname
 
 CONF_DIR = str(REGISTRY_DIR)  # the Hydra tree is the registry's folder, inside the package
@@ -94,4 +95,8 @@ def main() -> None:
         sys.exit(compare.main(rest))
     if command in SUBCOMMANDS:
         sys.argv[1] = SUBCOMMANDS[command]
+    try:  # a launcher, sweeper or logger of a missing extra: refused before Hydra starts, naming the extra
+        extras.require(sys.argv[1:], conf_dirs())
+    except extras.MissingExtraError as err:
+        sys.exit(f"kvcompress: {err}")
     _main()

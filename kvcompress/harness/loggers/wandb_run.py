@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvcompress.harness.extras import require
 from kvcompress.harness.loggers import Logger, scalar_metrics, table_metrics
 
 
@@ -22,9 +23,11 @@ def _cell(value):
 
 class WandbLogger(Logger):
     """Logs to W&B; ``mode`` is ``offline`` unless set (``online`` needs ``wandb login``), ``dir`` defaults
-    to the run (or sweep) folder so offline runs sit next to their ``results.json``."""
+    to the run (or sweep) folder so offline runs sit next to their ``results.json``. Needs the ``wandb``
+    extra (``pip install 'kvcompress[wandb]'``): refused by name without it."""
 
     def __init__(self, project="kvcompress", entity=None, mode="offline", dir=None, tags=(), group=None):
+        require(["logger=wandb"], [])
         self.settings = {"project": project, "entity": entity, "mode": mode, "tags": list(tags or [])}
         self.dir, self.group = dir, group
         self.last_run = None
