@@ -9,6 +9,7 @@ import math
 import re
 from pathlib import Path
 
+from kvcompress.harness.params import params_text
 from kvcompress.harness.results import RESULTS_FILE, current_record
 from kvcompress.metrics.stats import compare, compare_paired
 
@@ -28,6 +29,7 @@ DEFAULT_COLUMNS = [
     "cache_bytes",
     "cache_ratio",
     "compressed",
+    "storage_acted",
     "prefill_tok_s",
     "decode_tok_s",
     "question_in_prompt",
@@ -42,11 +44,11 @@ def _fmt(value) -> str:
 
 
 def flatten(record: dict) -> dict:
-    """One table row from a results record: run folder, policy name and parameters, status, scalar metrics."""
-    policy = dict(record.get("config", {}).get("policy", {}))
-    name = record.get("policy_name") or policy.pop("_target_", "?").rsplit(".", 1)[-1]
-    policy.pop("_target_", None)
-    params = " ".join(f"{k}={v}" for k, v in policy.items())
+    """One table row from a results record: run folder, policy name and parameters (the storage's too),
+    status, scalar metrics."""
+    config = record.get("config", {})
+    name = record.get("policy_name") or dict(config.get("policy", {})).get("_target_", "?").rsplit(".", 1)[-1]
+    params = params_text(config)
     metrics = {k: v for k, v in record.get("metrics", {}).items() if not isinstance(v, (list, dict))}
     row = {"policy": name, "params": params, "status": record.get("status"), **metrics}
     row.update({k: record[k] for k in ("selector", "storage") if k in record})

@@ -58,12 +58,12 @@ def answer_batch(model, policy, heads, tails, question_in_prompt: bool, max_new:
     return stream, stream.greedy(logits, max_new, stop)
 
 
-def cache_shares(model, policy, cache, rows: int) -> dict:
-    """The batch cache's numbers per row (``retrieval.cache_fields``: bytes shared out, slots as they are)
-    and ``batch_rows``."""
+def cache_shares(model, policy, cache, rows: int, prefill: int | None = None) -> dict:
+    """The batch cache's numbers per row (``retrieval.cache_fields``: bytes shared out, slots as they are,
+    ``full``'s reference fed ``prefill`` tokens then one a forward) and ``batch_rows``."""
     from kvcompress.harness.tasks.retrieval import cache_fields
 
-    return {**cache_fields(model, policy, cache, rows), "batch_rows": rows}
+    return {**cache_fields(model, policy, cache, rows, prefill), "batch_rows": rows}
 
 
 def run_cases(model, tokenizer, policy, cases: list, cfg, progress=None) -> list[dict]:
@@ -86,7 +86,9 @@ def run_cases(model, tokenizer, policy, cases: list, cfg, progress=None) -> list
         stream, out = answer_batch(
             model, policy, heads, tails, cfg.question_in_prompt, cfg.max_new_tokens, stop, tokenizer
         )
-        shares = cache_shares(model, policy, stream.cache, len(idx))
+        asked = cfg.question_in_prompt
+        prompt = max(h.shape[1] + (t.shape[1] if asked else 0) for h, t in zip(heads, tails, strict=True))
+        shares = cache_shares(model, policy, stream.cache, len(idx), prompt)  # prompts left-padded to it
         for i, ids in zip(idx, out, strict=True):
             records[i] = {**case_record(tokenizer, cases[i], cfg, *prompts[i], ids), **shares}
         tick(len(idx))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -64,9 +65,10 @@ def compression_summary(policy_name: str, cases: list[dict]) -> dict:
     one prefill: the budget covers it)."""
     missed = [c for c in cases if not c["compressed"]]
     summary = {"tokens_evicted": sum(c["tokens_evicted"] for c in cases), "compressed": not missed}
-    for name in ("cache_ratio", "read_ratio"):  # means over the cases that have them
+    for name in ("cache_bytes", "cache_ratio", "read_ratio"):  # means over the cases that have them
         values = [c[name] for c in cases if c.get(name) is not None]
         summary[name] = sum(values) / len(values) if values else None
+    summary |= storage_summary(cases)
     if missed:
         lengths = sorted({c["length"] for c in missed})
         evidence = "0 tokens evicted, every token read, bytes not below full"
@@ -76,6 +78,26 @@ def compression_summary(policy_name: str, cases: list[dict]) -> dict:
         )
         summary |= flag_uncompressed(policy_name, what, hint)
     return summary
+
+
+def storage_summary(cases: list[dict]) -> dict:
+    """``storage_acted`` (an exact-window storage encoded a token in some case) with the window, and a
+    ``storage_warning`` when it encoded none in any case; {} for storages without an exact window."""
+    used = [c for c in cases if "storage_acted" in c]
+    if not used:
+        return {}
+    window = max(c["storage_exact_window"] for c in used)
+    out = {"storage_exact_window": window, "storage_acted": any(c["storage_acted"] for c in used)}
+    if not out["storage_acted"]:
+        kept = max(c["tokens_stored_mean"] for c in used)
+        message = (
+            f"storage encoded no token in any of the {len(used)} cases: its exact window (recent={window}) "
+            f"held every token the selector kept (about {kept:.0f} per layer at most); lower the storage's "
+            "recent below the tokens kept"
+        )
+        warnings.warn(message, stacklevel=2)
+        out["storage_warning"] = message
+    return out
 
 
 def accuracy_metrics(cases: list[dict]) -> dict:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress.core.cache import build_cache
+from kvcompress.metrics.acted import storage_use
 from kvcompress.metrics.compression import (
     attention_backends,
     full_cache_bytes,
@@ -125,21 +126,24 @@ def run_case(model, tokenizer, policy, case: Case, cfg) -> dict:
     cache = build_cache(policy, model)
     stop = eos_ids(model, tokenizer)
     ids = answer(model, cache, head, tail, cfg.question_in_prompt, cfg.max_new_tokens, stop, tokenizer)
-    return {**case_record(tokenizer, case, cfg, head, tail, ids), **cache_fields(model, policy, cache)}
+    prompt = head.shape[1] + (tail.shape[1] if cfg.question_in_prompt else 0)  # then one token a forward
+    fields = cache_fields(model, policy, cache, prefill=prompt)
+    return {**case_record(tokenizer, case, cfg, head, tail, ids), **fields}
 
 
 TIER_BYTES = ("device_bytes", "host_bytes", "disk_bytes", "bytes_fetched_per_step")
 
 
-def cache_fields(model, policy, cache, rows: int = 1) -> dict:
+def cache_fields(model, policy, cache, rows: int = 1, prefill: int | None = None) -> dict:
     """A case's cache numbers: slots stored per layer, bytes (per row of a batch of ``rows``: the batch
-    cache's bytes shared out), its ratio to ``full``'s on the same rows, the read ratio, tokens evicted
-    (slots: each row lost as many, padding slots included), ``compressed`` (``metrics.compression``), and
-    a tiered cache's bytes per tier and traffic."""
+    cache's bytes shared out), its ratio to ``full``'s on the same rows fed the same way (``prefill`` tokens
+    in one forward, then one per forward; None: all in one), the read ratio, tokens evicted (slots: each row
+    lost as many, padding slots included), ``compressed`` (``metrics.compression``), whether an exact-window
+    storage encoded anything (``metrics.acted``), and a tiered cache's bytes per tier and traffic."""
     stats, evicted, read = cache.stats(), tokens_evicted(cache), read_ratio(cache)
     tiers = tier_summary(stats)  # tiered: bytes per tier, fetches per step, LRU hit rate
     tiers |= {k: tiers[k] / rows for k in TIER_BYTES if k in tiers}
-    full = full_cache_bytes(model, cache.get_seq_length(), rows)  # one full prefill per length, remembered
+    full = full_cache_bytes(model, cache.get_seq_length(), rows, prefill)  # remembered per length and prefill
     return {
         "tokens_stored_mean": sum(s["tokens_stored"] for s in stats) / len(stats),
         "cache_bytes": cache.memory_bytes() / rows if rows > 1 else cache.memory_bytes(),
@@ -148,6 +152,7 @@ def cache_fields(model, policy, cache, rows: int = 1) -> dict:
         "tokens_evicted": evicted,
         "compressed": is_compressed(evicted, cache.memory_bytes(), full, read),
         "attention_backends": attention_backends(cache),
+        **storage_use(stats),
         **tiers,
     }
 
