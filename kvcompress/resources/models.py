@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from kvcompress.resources.assets import EMBEDDED_MODELS, assemble_gguf, asset_dir
+from kvcompress.resources.assets import EMBEDDED_MODELS, announce, assemble_gguf, asset_dir, size_text
 from kvcompress.resources.files import exclusive
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -60,8 +60,20 @@ def embedded_model_dir(name: str) -> Path:
         return _build_embedded(name, target)
 
 
+def converted_bytes(gguf_file: Path) -> int:
+    """Bytes of the float32 weights a GGUF file de-quantizes to (its tensors' elements x 4), read from its
+    header without loading it: what converting it writes, tokenizer files aside."""
+    from gguf import GGUFReader
+
+    return 4 * sum(int(t.n_elements) for t in GGUFReader(gguf_file).tensors)
+
+
 def _build_embedded(name: str, target: Path) -> Path:
     gguf = assemble_gguf(EMBEDDED_MODELS[name], asset_dir() / "models" / f"{name}-gguf")
+    announce(
+        f"first use of {name}: converting {gguf.name} ({size_text(gguf.stat().st_size)}) to a float32 "
+        f"checkpoint of about {size_text(converted_bytes(gguf))} in {target}, once (later loads take seconds)"
+    )
     model, tok = _load_gguf(gguf.parent, gguf.name, torch.float32)
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
