@@ -64,6 +64,20 @@ def load(group: str, name: str) -> dict:
     return {"_target_": target, **fields, **own}
 
 
+def own(group: str, name: str) -> dict:
+    """The YAML of ``group/name`` as parsed, its ``_target_`` not imported (``{}`` for an unknown name)."""
+    path = _files(group).get(name)
+    return {} if path is None else copy.deepcopy(_parsed(str(path), path.stat().st_mtime_ns))
+
+
+def _yaml_naming(group: str, target: str) -> str | None:
+    """The file of the first YAML of ``group`` whose ``_target_`` is ``target`` (where its errors point)."""
+    for path in _files(group).values():
+        if _parsed(str(path), path.stat().st_mtime_ns).get("_target_") == target:
+            return str(path)
+    return None
+
+
 def written(group: str, name: str) -> dict:
     """The YAML of ``group/name`` as written: its ``_target_`` and the values that differ from the declared
     defaults (``load`` gives the whole config)."""
@@ -181,7 +195,7 @@ def instantiate(cfg: dict, what: str):
     target = cfg.pop("_target_", None)
     if target is None:
         raise ValueError(f"{what} config needs a _target_ (got keys {sorted(cfg)})")
-    cls = import_target(target, where=f"{what} config")
+    cls = import_target(target, where=_yaml_naming(what, target) or f"{what} config")
     if hasattr(cls, "from_config"):
         return cls.from_config(cfg)
     if dataclasses.is_dataclass(cls):

@@ -36,15 +36,16 @@ GROUPS = ("policy", "storage")
 
 
 def register() -> list[str]:
-    """Store every registered name's full config under ``declared/<group>/<name>``; the names whose class
-    does not import are left out (they fail by name when chosen). Returns what it stored."""
+    """Store every registered name's full config under ``declared/<group>/<name>``; a name whose class does
+    not import gets its YAML as written, so choosing it composes and the run refuses it by name (its YAML,
+    ``_target_`` and module: ``conf_path.import_target``). Returns what it stored."""
     store, stored = ConfigStore.instance(), []
     for group in GROUPS:
         for name in registry.known(group):
             try:
                 node = registry.load(group, name)
-            except (ImportError, AttributeError, ValueError):
-                continue
+            except (ImportError, AttributeError, ValueError):  # the YAML as written: building it says why
+                node = registry.own(group, name)
             store.store(group=f"declared/{group}", name=name, node=node, package=group)
             stored.append(f"{group}/{name}")
     return stored

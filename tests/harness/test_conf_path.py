@@ -96,3 +96,19 @@ def test_the_cli_runs_a_plugin_named_by_a_relative_conf_path(tmp_path):
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "_target_: example_selector.KnormPolicy" in done.stdout and "recent: 1" in done.stdout
+
+
+def test_the_cli_refuses_an_unimportable_plugin_naming_its_yaml(tmp_path):
+    yaml = (
+        _plugin(tmp_path / "plug", "knorm_gone", "my_selectors_nowhere.KnormPolicy")
+        / "policy"
+        / "knorm_gone.yaml"
+    )
+    env = {**os.environ, registry.ENV: "plug"}
+    cmd = [sys.executable, "-m", "kvcompress", "policy=knorm_gone", "hydra.run.dir=run"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert (
+        f"{yaml}: _target_ 'my_selectors_nowhere.KnormPolicy' names module 'my_selectors_nowhere'"
+        in done.stderr
+    )
