@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from kvcompress.harness.tasks.slices import current_perplexity
+from kvcompress.metrics.perplexity_interval import current_perplexity
 
 RESULTS_FILE = "results.json"
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the repository root in a source checkout
@@ -174,9 +174,9 @@ def current_names(node):
 
 def current_record(record: dict) -> dict:
     """A record read back (resume, tables) with its policy and storage configs under today's names
-    (``current_names``) and its perplexity interval by today's method (``slices.current_perplexity``): a
-    record written before a rename or a change of method reads as one written after it, and committed
-    records are never rewritten."""
+    (``current_names``) and its perplexity interval by today's method
+    (``metrics.perplexity_interval.current_perplexity``): a record written before a rename or a change of
+    method reads as one written after it, and committed records are never rewritten."""
     if isinstance(record.get("metrics"), dict):
         record = {**record, "metrics": current_perplexity(record["metrics"])}
     config = record.get("config")

@@ -10,7 +10,8 @@ import statistics
 import pytest
 
 from kvcompress.harness.results import load_record
-from kvcompress.harness.tasks.slices import combine_slices, current_perplexity
+from kvcompress.harness.tasks.slices import combine_slices
+from kvcompress.metrics.perplexity_interval import current_perplexity
 from kvcompress.metrics.stats import log_interval, t_interval
 
 SPREAD = [2.0, 3.0, 60.0]  # one slice far harder than the others: the old formula went below zero
