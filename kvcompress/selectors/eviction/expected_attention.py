@@ -57,7 +57,9 @@ def logit_terms(mean, cov, keys, scaling: float):
 
 def expected_scores(mean, cov, keys, values, scaling: float, valid=None, value_norm: bool = True):
     """Expected attention (B, H_kv, T) of stored ``keys`` (B, H_kv, T, D) under future queries N(mean, cov)
-    per query head (B, H, D) / (B, H, D, D); ``cov`` None uses the mean alone."""
+    per query head (B, H, D) / (B, H, D, D); ``cov`` None uses the mean alone. ``valid`` (B or 1, 1 or H_kv,
+    T) bool: the keys the softmax normalises over (padding and the sinks left out: the paper's reference
+    code, kvpress, scores the sinks apart and keeps them); the others score 0."""
     linear, quadratic = logit_terms(mean, cov, keys, scaling)
     logits = linear if quadratic is None else linear + quadratic
     if valid is not None:
@@ -85,8 +87,10 @@ class ExpectedAttentionLayer(EvictionLayer):
         turn = mean_rotation(inv_freq.to(query.device), p.future_positions)  # (D, D)
         mean, cov = mean @ turn.mT, (turn @ cov @ turn.mT if p.covariance else None)
         values = self.store.read()[1]
-        scores = expected_scores(mean, cov, key, values, scaling, self.valid, p.value_norm)
-        self.select(scores, k, pinned=self.first_real(p.sink_tokens, scores.shape[-1], scores.device))
+        sinks = self.first_real(p.sink_tokens, key.shape[-2], key.device)  # kept whatever their score
+        scored = ~sinks if self.valid is None else self.valid & ~sinks  # sinks out of the softmax (kvpress)
+        scores = expected_scores(mean, cov, key, values, scaling, scored, p.value_norm)
+        self.select(scores, k, pinned=sinks)
 
 
 @dataclass
@@ -100,7 +104,7 @@ class ExpectedAttentionPolicy(EvictionPolicy):
 
     Args:
         future_positions: future query positions the RoPE rotation is averaged over.
-        sink_tokens: first real tokens, always kept and left out of the statistics.
+        sink_tokens: first real tokens, always kept, left out of the statistics and of the softmax.
         covariance: use the queries' covariance (else the mean alone).
         value_norm: multiply the expected attention by each value's norm.
     """
