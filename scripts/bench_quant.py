@@ -8,8 +8,8 @@ continuing each row's filled cache, decode tokens/s. Ratios are against ``full``
 transformers' ``QuantizedCache`` rows run with the model's plain SDPA attention (our attention hook is
 switched off for them); kvcompress rows run through our registered attention function.
 
-Perplexity is the mean over ``--slices`` disjoint slices of ``--tokens`` tokens with a 95% t-interval (each
-slice kept in the record); decode speed is the median with its interquartile range.
+Perplexity is exp of the mean NLL over ``--slices`` disjoint slices of ``--tokens`` tokens with a 95% interval
+on that log scale (each slice kept in the record); decode speed is the median with its interquartile range.
 
 Usage: python scripts/bench_quant.py [--tokens 2048] [--slices 3] [--grid-chunk 16] [--threads 1] [--out DIR]
 """
@@ -41,7 +41,7 @@ COLUMNS = [
 
 
 def perplexity_row(model, pieces, row: Row) -> tuple[dict, object]:
-    """Decode-mode perplexity of one row over the text slices (mean and 95% t-interval, each slice kept);
+    """Decode-mode perplexity of one row over the text slices (``combine_slices``, each slice kept);
     returns its record and the first slice's filled cache (for the speed phase)."""
     record = {"row": row.name, "kind": row.kind, "params": row.params, "chunk_size": row.chunk}
     try:
