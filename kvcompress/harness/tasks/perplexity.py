@@ -104,8 +104,8 @@ def _score(model, tokenizer, ids, policy, cfg, chars) -> dict:
 def run(model, tokenizer, policy, cfg) -> dict:
     """Perplexity (decode mode, or prefix perplexity with ``prefix_tokens``) over ``task.slices`` disjoint
     slices of the text, as exp of the mean NLL with a 95% interval on that log scale (``combine_slices``);
-    bytes vs ``full`` on the same tokens,
-    whether the policy compressed, prefill/decode speed (median and interquartile range)."""
+    bytes vs ``full`` on the same tokens, whether the policy compressed, prefill/decode speed (median and
+    interquartile range)."""
     spec_max = getattr(model.config, "max_position_embeddings", 0)
     if spec_max and cfg.max_tokens > spec_max:
         raise ValueError(
