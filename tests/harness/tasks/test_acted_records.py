@@ -1,5 +1,5 @@
 """Records say when a part of the policy did not act: a storage whose exact window held every kept token
-(issue 58: h2o over quant, quant on a text no longer than its window), and retrieval's ``full`` is exactly
+(h2o over quant, quant on a text no longer than its window), and retrieval's ``full`` is exactly
 1.0 against its reference, with ``cache_bytes`` filled and the params column showing effective values."""
 
 from __future__ import annotations
