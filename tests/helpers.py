@@ -4,6 +4,8 @@ refusal."""
 from __future__ import annotations
 
 import re
+import shlex
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,3 +179,19 @@ class Standalone(torch.nn.Module):
         super().__init__()
         self.config = type("Config", (), {"attn_logit_softcapping": None})()
         self.eval()
+
+
+README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+
+
+def code_blocks(lang: str) -> list[str]:
+    """The README's fenced blocks of ``lang``, in order."""
+    return re.findall(rf"^```{lang}\n(.*?)^```$", README, flags=re.S | re.M)
+
+
+def readme_commands() -> list[list[str]]:
+    """The ``kvcompress`` commands of the README's command-line block, as argument lists (continuation
+    lines joined, comments dropped)."""
+    (block,) = [b for b in code_blocks("bash") if "kvcompress compare" in b]
+    lines = block.replace("\\\n", " ").splitlines()
+    return [shlex.split(line, comments=True) for line in lines if line.startswith("kvcompress")]

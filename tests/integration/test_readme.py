@@ -6,30 +6,16 @@ refused pair refused. Its command-line block runs from an installed wheel in
 from __future__ import annotations
 
 import re
-import shlex
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import README, code_blocks, readme_commands
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvcompress import build_cache
 
 ROOT = Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text()
-
-
-def code_blocks(lang: str) -> list[str]:
-    """The README's fenced blocks of ``lang``, in order."""
-    return re.findall(rf"^```{lang}\n(.*?)^```$", README, flags=re.S | re.M)
-
-
-def readme_commands() -> list[list[str]]:
-    """The ``kvcompress`` commands of the README's command-line block, as argument lists (continuation
-    lines joined, comments dropped)."""
-    (block,) = [b for b in code_blocks("bash") if "kvcompress compare" in b]
-    lines = block.replace("\\\n", " ").splitlines()
-    return [shlex.split(line, comments=True) for line in lines if line.startswith("kvcompress")]
 
 
 def test_the_readme_is_short_and_its_fences_stand_alone():

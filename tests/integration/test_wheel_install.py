@@ -3,12 +3,15 @@ editable install (the checkout venv's packages join through a ``.pth`` path line
 folder's own ``.pth`` files, so the editable kvcompress finder stays out), and from a folder outside the
 checkout it knows every registered policy and builds each one on a tiny random Llama, runs the ``kvcompress``
 console script for a 64-token run on a tiny local model, registers the lm-eval model and compiles a C++
-kernel from the installed sources."""
+kernel from the installed sources. It also runs the README's command-line block (each command shrunk to a tiny
+local model), a plugin selector through the command line (``KVCOMPRESS_CONF_PATH`` alone, then
+``kvcompress check-policy``) and a sweep run twice, whose second run reuses every record."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,7 +20,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import fake_essay
+from helpers import fake_essay, readme_commands
 
 from kvcompress.core.registry import CONF_DIR
 
@@ -129,6 +132,65 @@ def _check_cli(venv: Path, env: dict, work: Path, checkpoint: Path) -> None:
     }  # fmt: skip
 
 
+def _shrunk(command: list[str], checkpoint: Path) -> list[str]:
+    """A README command with overrides that run it on the tiny local model in seconds."""
+    if len(command) > 1 and command[1] == "compare":
+        return command
+    model = ["model=hf", f"model.name={checkpoint}", "task.text=essay.txt", "task.progress=false"]
+    if "task=niah" in command:
+        sizes = ["task.lengths=[96]", "task.depths=[50]", "task.extra_needles=[]", "task.max_new_tokens=4"]
+        return [*command, *model, *sizes, "task.chat_template=false"]
+    return [*command, *model, "task.max_tokens=64", "task.slices=1", "task.speed=false"]
+
+
+def _check_readme_commands(venv: Path, env: dict, work: Path, checkpoint: Path) -> None:
+    """Every command of the README's command-line block, from the installed console script."""
+    said = {}
+    for command in readme_commands():
+        said[" ".join(command[:3])] = _run([venv / "bin" / command[0], *_shrunk(command, checkpoint)[1:]],
+                                           env, work)  # fmt: skip
+    for run in ("A", "B"):
+        assert json.loads((work / "outputs" / run / "results.json").read_text())["status"] == "ok"
+    (compared,) = [out for name, out in said.items() if "compare" in name]
+    assert "perplexity" in compared and ("distinguishable" in compared or "differ" in compared), compared
+    assert len(list((work / "multirun").rglob("results.json"))) == 3  # the quant_bits sweep: 8, 4, 2 bits
+
+
+def _check_plugin(venv: Path, env: dict, work: Path, checkpoint: Path) -> None:
+    """The docs' example selector, outside the package, through the command line: ``KVCOMPRESS_CONF_PATH``
+    (relative to the working folder) is all the command line needs, and ``check-policy`` passes it."""
+    shutil.copytree(
+        ROOT / "tests" / "plugins", work / "plugins", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    plug = env | {"KVCOMPRESS_CONF_PATH": "plugins/conf", "PYTHONPATH": str(work / "plugins")}
+    task = ["task.max_tokens=64", "task.slices=1", "task.speed=false", "task.progress=false"]
+    cli = [venv / "bin" / "kvcompress", "model=hf", f"model.name={checkpoint}", "policy=knorm",
+           "policy.compression_ratio=0.5", *task, "task.text=essay.txt", "hydra.run.dir=knorm"]  # fmt: skip
+    _run(cli, plug, work)
+    record = json.loads((work / "knorm" / "results.json").read_text())
+    assert (
+        record["status"] == "ok" and record["config"]["policy"]["_target_"] == "example_selector.KnormPolicy"
+    )
+    checked = _run([venv / "bin" / "kvcompress", "check-policy", "knorm"], plug, work)
+    passed = re.search(r"^(\d+) of (\d+) passed$", checked, flags=re.M)
+    assert passed and passed[1] == passed[2] and int(passed[1]) >= 7 and "FAIL" not in checked, checked
+
+
+def _check_resume(venv: Path, env: dict, work: Path, checkpoint: Path) -> None:
+    """A sweep from the installed package, run twice: the second run reuses both records (the package's
+    version and the hash of its files stand for the git commit it does not have)."""
+    task = ["task.max_tokens=64", "task.slices=1", "task.speed=false", "task.progress=false"]
+    cli = [venv / "bin" / "kvcompress", "-m", "model=hf", f"model.name={checkpoint}", "policy=sliding_window",
+           "policy.window=20,28", *task, "task.text=essay.txt", "hydra.sweep.dir=resumed"]  # fmt: skip
+    _run(cli, env, work)
+    records = sorted((work / "resumed").rglob("results.json"))
+    first = [r.read_bytes() for r in records]
+    assert len(records) == 2 and json.loads(first[0])["code_version"].get("files_hash")
+    again = _run(cli, env, work)
+    assert "running it again" not in again, again
+    assert [r.read_bytes() for r in records] == first
+
+
 def test_the_wheel_installs_into_a_clean_venv_and_runs_from_outside_the_checkout(tmp_path, tiny_checkpoint):
     venv, env = _venv(tmp_path, _wheel(tmp_path))
     work = tmp_path / "elsewhere"  # no kvcompress/ beside the scripts: only the installed one can import
@@ -141,6 +203,9 @@ def test_the_wheel_installs_into_a_clean_venv_and_runs_from_outside_the_checkout
     try:
         site = _check_policies_and_lm_eval(venv, env, work)
         _check_cli(venv, env, work, tiny_checkpoint)
+        _check_readme_commands(venv, env, work, tiny_checkpoint)
+        _check_plugin(venv, env, work, tiny_checkpoint)
+        _check_resume(venv, env, work, tiny_checkpoint)
         out, err = kernel.communicate(timeout=300)
         assert kernel.returncode == 0, err[-3000:]
         built = json.loads(out.strip().splitlines()[-1])
