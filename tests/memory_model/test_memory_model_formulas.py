@@ -69,8 +69,14 @@ def test_snapkv_slack_recompresses_and_holds_queries(spec):
 
 
 def test_pyramidkv_budgets_sum_to_mean_times_layers(spec):
+    """The reference code's integer steps leave the last layer a little above min_num: the total is each
+    layer's ``reference_keep``, within 1% of 30 x 200 tokens."""
+    from kvcompress.selectors.eviction.pyramid import reference_keep
+
     policy = make_policy("pyramidkv", budget=200, compression_ratio=None)
-    assert predicted_bytes(policy, spec, 1000, BF16) == kv_bytes(200)  # 30 x 200 tokens, unevenly spread
+    per_layer = [reference_keep(1000, i, 30, 200, 32, 20) for i in range(30)]
+    assert predicted_bytes(policy, spec, 1000, BF16) == kv_bytes(sum(per_layer), layers=1)
+    assert sum(per_layer) == pytest.approx(200 * 30, rel=0.01) and per_layer[0] > per_layer[-1]
 
 
 def test_window_tova_and_block_sparse(spec):

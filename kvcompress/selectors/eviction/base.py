@@ -96,8 +96,12 @@ class EvictionPolicy(Policy):
         """The layer class: ``adaptive.variant`` of ``layer_class`` with head-adaptive budgets."""
         return ada.variant(self.layer_class) if self.adaptive else self.layer_class
 
+    keep_rule = None  # a callable n_tokens -> kept that overrides budget / ratio (a PyramidKV layer's share)
+
     def keep_count(self, n_tokens: int) -> int:
         """Tokens a layer keeps per head after seeing ``n_tokens`` real tokens (at least 1)."""
+        if self.keep_rule is not None:
+            return self.keep_rule(n_tokens)
         if self.budget is not None:
             return self.budget
         return max(1, int(n_tokens * (1.0 - self.compression_ratio) + 1e-9))
@@ -163,6 +167,9 @@ class EvictionLayer(PolicyLayer):
         if self.policy.budget is not None or self.row_padding is None:
             return None
         real = (self.seen - self.row_padding).double()
+        if self.policy.keep_rule is not None:  # a prefill's rows, each sized by the rule on its own length
+            own = torch.tensor([self.policy.keep_rule(int(n)) for n in real.tolist()], device=real.device)
+            return own.clamp(min=1, max=k).view(-1, 1, 1)
         own = (real * (1.0 - self.policy.compression_ratio) + 1e-9).floor().long().clamp(min=1, max=k)
         return own.view(-1, 1, 1)
 

@@ -2,66 +2,75 @@
 
 Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling",
 arXiv 2406.02069. Built on the schedule mechanism: every layer gets its own copy of an eviction
-policy (SnapKV by default, as in the paper) with its own budget.
+policy (SnapKV by default, as in the paper) whose kept count is its share of the pyramid (``layer_keep``),
+computed from the prompt's length as the paper's reference code does (KVCache-Factory, ``PyramidKVCluster``,
+commit c97f9d7), or as kvpress 0.5.5's ``PyramidKVPress`` does (``variant: kvpress``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import partial
 
-from kvcompress.core.fields import Float, Int
+from kvcompress.core.fields import Choice, Float, Int
 from kvcompress.core.policy import ModelSpec, Policy, PolicyLayer
 from kvcompress.selectors.eviction.base import BUDGETS, EvictionPolicy, check_one_budget
 from kvcompress.selectors.schedule import SchedulePolicy, _as_policy
 
 _SNAPKV = {"_target_": "kvcompress.selectors.SnapKVPolicy"}
+VARIANTS = ("reference", "kvpress")
 
 
-def pyramid_weights(num_layers: int, beta: float) -> list[float]:
-    """Linear weights with mean 1: the first layer gets ``2 - 1/beta``, the last ``1/beta``."""
-    if num_layers == 1:
-        return [1.0]
-    top, bottom = 2.0 - 1.0 / beta, 1.0 / beta
-    return [top - (top - bottom) * i / (num_layers - 1) for i in range(num_layers)]
+def reference_keep(n: int, layer: int, layers: int, mean: int, window: int, beta: float) -> int:
+    """Tokens layer ``layer`` keeps of ``n`` in the reference code: ``mean`` (max_capacity_prompt) per layer,
+    of which ``window`` is the observation window; the part above it runs linearly from ``max_num`` (the
+    first layer, at most ``n - window``) down to ``min_num`` (``(mean - window) // beta``), integer steps."""
+    prefix = mean - window
+    if n < mean or prefix <= 0:
+        return min(n, mean)
+    if n < 2 * prefix:  # a short prompt: every layer keeps ``mean`` (the reference's uniform branch)
+        return mean
+    low = int(prefix // beta)
+    high = 2 * prefix - low
+    if high >= n - window:
+        high, low = n - window, 2 * prefix - (n - window)
+    steps = (high - low) // (layers - 1) if layers > 1 else 0
+    return high - layer * steps + window
 
 
-def pyramid_budgets(mean: int, num_layers: int, beta: float, reserved: int = 0) -> list[int]:
-    """Integer per-layer budgets summing to ``mean * num_layers``; the part above ``reserved`` (kept by
-    every layer, e.g. SnapKV's window) is shaped like a pyramid, as in the paper."""
-    reserved = reserved if mean > reserved else 0
-    raw = [reserved + (mean - reserved) * w for w in pyramid_weights(num_layers, beta)]
-    budgets = [max(1, int(r)) for r in raw]
-    order = sorted(range(num_layers), key=lambda i: raw[i] - int(raw[i]), reverse=True)
-    for i in order[: max(0, mean * num_layers - sum(budgets))]:  # hand out the rounding remainder
-        budgets[i] += 1
-    return budgets
+def kvpress_keep(n: int, layer: int, layers: int, mean: float, window: int, beta: float) -> int:
+    """The same pyramid as kvpress 0.5.5 sizes it: the window counts inside each layer's share, shares are
+    floats rounded per layer, and a pyramid whose last layer would keep less than ``window`` is uniform."""
+    low = mean / beta
+    high = 2 * mean - low
+    if high >= n - window:
+        high, low = n - window, 2 * mean - (n - window)
+    if not n >= high >= low >= window:
+        return max(1, round(mean))
+    steps = (high - low) / (layers - 1) if layers > 1 else 0.0
+    return round(high - layer * steps)
 
 
-def pyramid_fractions(keep: float, num_layers: int, beta: float) -> list[float]:
-    """Per-layer kept fractions with mean ``keep``, shaped like a pyramid and capped at 1 (the excess of
-    capped layers goes to the others in proportion to their weights)."""
-    weights = pyramid_weights(num_layers, beta)
-    fractions = [keep * w for w in weights]
-    while any(f > 1.0 + 1e-12 for f in fractions):
-        excess = sum(f - 1.0 for f in fractions if f > 1.0)
-        free = [i for i, f in enumerate(fractions) if f < 1.0]
-        if not free:
-            break
-        fractions = [min(f, 1.0) for f in fractions]
-        share = sum(weights[i] for i in free)
-        for i in free:
-            fractions[i] += excess * weights[i] / share
-    return fractions
+def layer_keep(
+    n: int, *, layer: int, layers: int, budget, ratio, window: int, beta: float, variant: str
+) -> int:
+    """Layer ``layer``'s kept count after ``n`` tokens: its share of a pyramid whose mean is ``budget`` (or
+    ``n * (1 - ratio)``), in [1, n]."""
+    if variant == "kvpress":
+        mean = budget if budget is not None else n * (1.0 - ratio)
+        return max(1, min(n, kvpress_keep(n, layer, layers, mean, window, beta)))
+    mean = budget if budget is not None else max(1, int(n * (1.0 - ratio) + 1e-9))
+    return max(1, min(n, reference_keep(n, layer, layers, mean, window, beta)))
 
 
 @dataclass
 class PyramidKVPolicy(Policy):
-    """Give layer ``i`` a copy of ``policy`` whose budget shrinks with depth; the mean over layers is
-    ``budget`` (or ``1 - compression_ratio`` of the tokens seen). ``beta`` sets the steepness: the last
-    layer gets ``1/beta`` of the mean (above the policy's reserved window). With ``compression_ratio``
-    the prompt length is unknown when layers are built, so the whole kept fraction is shaped (no window
-    is reserved) and layers that would keep more than everything are capped, their excess spread.
+    """Give layer ``i`` a copy of ``policy`` whose kept count shrinks with depth: the mean over layers is
+    ``budget`` (or ``1 - compression_ratio`` of the tokens seen). Each layer's share is computed from the
+    prompt's length at prefill (``layer_keep``): the first layer keeps up to all but the window, the last
+    ``1/beta`` of the mean above the window. ``variant``: ``reference`` (the paper's code: the window on top
+    of each layer's pyramid share, integer steps) or ``kvpress`` (kvpress 0.5.5: the window inside it).
     ``storage`` applies to every layer's copy."""
 
     TEST_PARAMS = {"budget": 12, "compression_ratio": None, "beta": 4}
@@ -75,6 +84,7 @@ class PyramidKVPolicy(Policy):
     budget: int | None = Int(None, low=1, null=True)
     compression_ratio: float | None = Float(None, 0.0, 1.0, high_open=True, null=True)
     beta: float = Float(20.0, 1.0, 1e9)
+    variant: str = Choice("reference", VARIANTS)
 
     def __post_init__(self):
         try:
@@ -101,23 +111,25 @@ class PyramidKVPolicy(Policy):
         return _as_policy({**dict(self.policy), **fields})
 
     def schedule(self, num_layers: int) -> SchedulePolicy:
-        """The per-layer schedule this policy stands for (the same object for a given depth)."""
+        """The per-layer schedule this policy stands for (the same object for a given depth): copies of the
+        inner policy at the mean budget / ratio, each sized by its layer's ``layer_keep`` (set on the copies
+        the schedule assigns, after it has put them over this policy's storage)."""
         if num_layers in self._schedules:
             return self._schedules[num_layers]
-        if self.budget is not None:
-            budgets = pyramid_budgets(self.budget, num_layers, self.beta, self._inner(1, None).reserved)
-            per_layer = [self._inner(b, None) for b in budgets]
-        else:
-            keep = pyramid_fractions(1.0 - self.compression_ratio, num_layers, self.beta)
-            per_layer = [self._inner(None, max(0.0, 1.0 - f)) for f in keep]
-        rules = [{"layers": i, "policy": p} for i, p in enumerate(per_layer)]
-        axes = {"storage": self.storage, "apply_to": self.apply_to}
-        self._schedules[num_layers] = SchedulePolicy(rules=rules, **axes)
-        return self._schedules[num_layers]
+        inner = [self._inner(self.budget, self.compression_ratio) for _ in range(num_layers)]
+        rules = [{"layers": i, "policy": p} for i, p in enumerate(inner)]
+        schedule = SchedulePolicy(rules=rules, storage=self.storage, apply_to=self.apply_to)
+        for i, layer_policy in enumerate(schedule.assignment(num_layers)):
+            layer_policy.keep_rule = partial(
+                layer_keep, layer=i, layers=num_layers, budget=self.budget, ratio=self.compression_ratio,
+                window=layer_policy.reserved, beta=self.beta, variant=self.variant,
+            )  # fmt: skip
+        self._schedules[num_layers] = schedule
+        return schedule
 
-    def budgets(self, num_layers: int) -> list:
-        """Each layer's budget (or compression ratio), for reports."""
-        return [r["policy"].budget or r["policy"].compression_ratio for r in self.schedule(num_layers).rules]
+    def budgets(self, num_layers: int, n_tokens: int) -> list[int]:
+        """Each layer's kept count after a prompt of ``n_tokens``, for reports."""
+        return [p.keep_count(n_tokens) for p in self.schedule(num_layers).assignment(num_layers)]
 
     def check(self, spec: ModelSpec) -> None:
         self.schedule(spec.num_layers).check(spec)
@@ -141,6 +153,8 @@ class PyramidKVPolicy(Policy):
             if k not in ("budget", "compression_ratio", "apply_to")
         }
         fields = {"budget": self.budget, "compression_ratio": self.compression_ratio, "beta": self.beta}
+        if self.variant != "reference":  # the default stays out: records of earlier runs unchanged
+            fields["variant"] = self.variant
         if self.apply_to != "full_attention":  # the default stays out: records of earlier runs unchanged
             fields["apply_to"] = self.apply_to
         return {"name": self.name, "policy": inner, **fields, "storage": self.storage.describe()}

@@ -8,28 +8,37 @@ from helpers import stream_logits
 
 from kvcompress import build_cache, make_policy
 from kvcompress.selectors import FullPolicy, PyramidKVPolicy, SnapKVPolicy
-from kvcompress.selectors.eviction.pyramid import pyramid_budgets, pyramid_fractions
+from kvcompress.selectors.eviction.pyramid import kvpress_keep, layer_keep, reference_keep
 
 
-@pytest.mark.parametrize("mean,layers,beta,reserved", [(256, 30, 20, 32), (12, 3, 4, 0), (100, 7, 2, 8)])
-def test_budgets_sum_to_the_total_and_shrink_with_depth(mean, layers, beta, reserved):
-    budgets = pyramid_budgets(mean, layers, beta, reserved)
-    assert sum(budgets) == mean * layers
-    assert all(a >= b for a, b in zip(budgets, budgets[1:], strict=False)) and budgets[0] > budgets[-1]
-    assert budgets[-1] == pytest.approx(reserved + (mean - reserved) / beta, abs=1)
+def test_reference_schedule_follows_kvcache_factory():
+    """KVCache-Factory's PyramidKVCluster at max_capacity_prompt 985, window 32, beta 20, 30 layers, 1971
+    tokens: min_num = 953 // 20 = 47, max_num = 2 * 953 - 47 = 1859 (under 1971 - 32), steps = 1812 // 29 =
+    62; layer i keeps 1859 - 62 i above the window."""
+    keep = [reference_keep(1971, i, 30, 985, 32, 20) for i in range(30)]
+    assert keep[0] == 1859 + 32 and keep[29] == 1859 - 29 * 62 + 32
+    assert all(a - b == 62 for a, b in zip(keep, keep[1:], strict=False))
+    # max_num capped at T - window: the first layer keeps everything, min_num takes the rest of the total
+    assert reference_keep(136, 0, 2, 100, 32, 20) == 136 and reference_keep(136, 1, 2, 100, 32, 20) == 64
+    assert reference_keep(150, 5, 30, 200, 32, 20) == 150  # shorter than the budget: nothing evicted
+    assert reference_keep(300, 5, 30, 200, 32, 20) == 200  # under 2 (budget - window): uniform
 
 
-def test_fractions_keep_the_mean_and_cap_at_one():
-    fractions = pyramid_fractions(0.75, 30, 20)
-    assert sum(fractions) / 30 == pytest.approx(0.75)
-    assert max(fractions) == pytest.approx(1.0) and fractions[-1] < 0.1
-    assert all(a >= b - 1e-12 for a, b in zip(fractions, fractions[1:], strict=False))
+def test_kvpress_schedule_counts_the_window_inside_the_share():
+    """kvpress 0.5.5 at ratio 0.5 on 1971 tokens, window 64: from T - 64 down to 64, mean T (1 - ratio)."""
+    keep = [kvpress_keep(1971, i, 30, 985.5, 64, 20) for i in range(30)]
+    assert keep[0] == 1907 and keep[29] == 64
+    assert sum(keep) / 30 == pytest.approx(985.5, abs=0.5)
+    assert kvpress_keep(100, 3, 30, 50.0, 64, 20) == 50  # last layer under the window: uniform
 
 
-def test_pyramid_builds_a_schedule_of_the_inner_policy():
-    policy = make_policy("pyramidkv", budget=256, compression_ratio=None)
-    budgets = policy.budgets(30)
-    assert sum(budgets) == 256 * 30 and budgets[0] > budgets[-1]
+@pytest.mark.parametrize("variant", ["reference", "kvpress"])
+def test_pyramid_builds_a_schedule_of_the_inner_policy(variant):
+    policy = make_policy("pyramidkv", compression_ratio=0.5, variant=variant)
+    budgets = policy.budgets(30, 1971)
+    assert budgets == [layer_keep(1971, layer=i, layers=30, budget=None, ratio=0.5, window=32, beta=20.0,
+                                  variant=variant) for i in range(30)]  # fmt: skip
+    assert budgets[0] > budgets[-1] >= 32
     layers = policy.schedule(30).assignment(30)
     assert all(isinstance(p, SnapKVPolicy) and p.observation_window == 32 for p in layers)
 
@@ -45,7 +54,7 @@ def test_unequal_layers_stay_correct_in_chunked_prefill(llama, tokens):
         stream_logits(llama, tokens[:, :30], cache, chunk=30)
         stored.append([layer.stored_length() for layer in cache.layers])
         outs.append(stream_logits(llama, tokens[:, 30:36], cache, chunk=chunk))
-    assert stored[0] == policy.budgets(3) and len(set(stored[0])) == 3  # e.g. [16, 10, 4]
+    assert stored[0] == policy.budgets(3, 30) and len(set(stored[0])) == 3  # e.g. [16, 10, 4]
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
 
 
