@@ -52,7 +52,10 @@ def _from_file(group: str, name: str, dirs: list[Path]) -> list[tuple[str, str]]
     for folder in dirs:
         path = Path(folder) / group / f"{name}.yaml"
         if path.is_file():
-            defaults = OmegaConf.to_container(OmegaConf.load(path)).get("defaults") or []
+            try:
+                defaults = OmegaConf.to_container(OmegaConf.load(path)).get("defaults") or []
+            except Exception:  # a file Hydra cannot read either: Hydra's own error names it
+                return []
             entries = [e for e in defaults if isinstance(e, dict)]
             return [_pair(k, v) for entry in entries for k, v in entry.items() if v is not None]
     return []
