@@ -75,7 +75,7 @@ $(PEERS_VENV)/.installed:
 .PHONY: test-peers
 test-peers: install $(PEERS_VENV)/.installed
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -p no:xdist tests/peers
-	$(BIN)/python -m experiments.peers.record --prompts $(PEERS_PROMPTS) --out experiments/peers/record.json
+	OMP_NUM_THREADS=1 $(BIN)/python experiments/peers/record.py --prompts $(PEERS_PROMPTS) --out experiments/peers/record.json
 	$(BIN)/python scripts/collect.py --docs
 
 bench: install

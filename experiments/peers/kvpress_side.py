@@ -1,7 +1,6 @@
-"""kvpress's side of the differential test (run by the ``.venv-peers`` interpreter: kvpress, transformers, torch).
-
-For each method of ``peer_methods.METHODS`` asked for and each prompt (token ids), prefill the prompt under the
-press, recover the positions kept per (layer, KV head), then greedy-decode. Kept positions are read exactly:
+"""kvpress's side of the differential test, run by the ``.venv-peers`` interpreter (kvpress, transformers,
+torch). For each method of ``peer_methods.METHODS`` asked for and each prompt (token ids), prefill it under
+the press, recover the positions kept per (layer, KV head), then greedy-decode. Kept positions are exact:
 a forward hook registered before the press's own keeps each layer's uncompressed keys, and every compressed
 key is matched to the identical uncompressed one (a press gathers, so the match is exact); pairs a press only
 masks (``masked_key_indices``: AdaKV, KVzip) are removed from the kept sets.
@@ -100,7 +99,9 @@ def run_one(model, press, ids: list[int], max_new: int, stop: set[int]) -> dict:
     masked_out(model, kept)
     try:
         answer = greedy(model, cache, logits, len(ids), max_new, stop)
-    except ValueError as err:  # masked pairs need a fake key no query reaches; tiny random models may have none
+    except (
+        ValueError
+    ) as err:  # masked pairs need a fake key no query reaches: tiny random models may have none
         answer = f"kvpress could not decode: {err}"
     return {"kept": kept, "answer": answer, "match_error": max(e for _, e in found)}
 
@@ -110,7 +111,8 @@ def main(job_path: str, out_path: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32).eval()
     eos = model.generation_config.eos_token_id
     stop = set(eos) if isinstance(eos, list) else {eos}
-    versions = {"kvpress": version("kvpress"), "transformers": transformers.__version__, "torch": torch.__version__}
+    versions = {"kvpress": version("kvpress"), "transformers": transformers.__version__}
+    versions["torch"] = torch.__version__
     out = {"versions": versions, "methods": {}}
     for name in job["methods"]:
         spec = METHODS[name]["press"]

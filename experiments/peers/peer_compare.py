@@ -1,5 +1,5 @@
 """Run kvpress (in ``.venv-peers``) and kvcompress on the same token ids and compare: kept-set Jaccard per
-(prompt, layer, KV head), summarised per method (mean, min, per layer), and whether the greedy answers match."""
+(prompt, layer, KV head), summarised per method (mean, min, per layer), and whether greedy answers match."""
 
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
-"""The parameter sets that reproduce kvpress: each kvpress press (with its kwargs) beside the kvcompress policy
-config that makes the same choices. Plain data, read by both sides of the differential test (this file imports
-nothing, so the kvpress venv can load it too).
+"""The parameter sets that reproduce kvpress: each kvpress press (with its kwargs) beside the kvcompress
+policy config that makes the same choices. Plain data, read by both sides of the differential test (this
+file imports nothing, so the kvpress venv can load it too).
 
 Each entry: ``press`` (a kvpress class name and its kwargs; ``press`` inside it is the inner scorer of a
-wrapper), ``ours`` (a kvcompress policy: a registered name or a ``_target_``, and its fields), ``expect`` (the
-kept-set Jaccard asserted on the tiny models: 1.0 where both implement the same selection; None where the
-difference is a named deviation in docs/methods.md) and ``note`` (why). ``compression_ratio`` is added to both
-sides at run time (to the inner press of a wrapper). ``window_from_keep``: our window is sized per prompt as
-kvpress sizes it, ``int(T * (1 - ratio)) - sink_tokens``.
+wrapper), ``ours`` (a kvcompress policy: a registered name or a ``_target_``, and its fields), ``expect``
+(what the tiny models' test asserts: 1.0, the same kept sets; ``"newest"``, sets that differ at most by the
+prompt's last token; None, a named deviation in docs/methods.md, measured) and ``note`` (why).
+``compression_ratio`` is added to both sides at run time (to the inner press of a wrapper).
+``window_from_keep``: our window is sized per prompt as kvpress sizes it, ``int(T * (1 - ratio)) - sinks``.
 """
 
 KVPRESS_VERSION = "0.5.5"
@@ -22,7 +22,13 @@ METHODS = {
         "expect": 1.0,
         "note": "kvpress's window is 64 queries; ours defaults to 32 (the SnapKV paper's code), so 64 is set",
     },
-    "tova": {"press": {"name": "TOVAPress"}, "ours": {"name": "tova"}, "expect": 1.0, "note": ""},
+    "tova": {
+        "press": {"name": "TOVAPress"},
+        "ours": {"name": "tova"},
+        "expect": "newest",
+        "note": "kvpress always keeps the prompt's last token (its own 'very slight difference from TOVA'); "
+        "TOVA's paper protects none, so a head may keep another token in its place",
+    },
     "knorm": {
         "press": {"name": "KnormPress"},
         "ours": {"name": "knorm", "recent": 0},
@@ -47,17 +53,17 @@ METHODS = {
         "ours": {
             "_target_": "kvcompress.selectors.PyramidKVPolicy",
             "beta": 20,
-            "window_in_budget": True,
-            "policy": {"_target_": "kvcompress.selectors.SnapKVPolicy", **SNAPKV_OURS, "name": None},
+            "variant": "kvpress",
+            "policy": {"_target_": "kvcompress.selectors.SnapKVPolicy", "observation_window": 64},
         },
         "expect": 1.0,
-        "note": "kvpress counts the window inside each layer's budget (window_in_budget=true)",
+        "note": "kvpress counts the window inside each layer's share (variant=kvpress; default: the paper's)",
     },
     "adakv_snapkv": {
         "press": {"name": "AdaKVPress", "alpha_safeguard": 0.2, "press": SNAPKV_PRESS},
         "ours": {**SNAPKV_OURS, "adaptive": True, "adaptive_floor": 0.2},
-        "expect": None,
-        "note": "measured: kvpress masks pairs inside the full cache, ours stores per-head sets",
+        "expect": 1.0,
+        "note": "kvpress masks the evicted pairs inside the full cache, ours stores each head's own set",
     },
     "chunkkv_snapkv": {
         "press": {"name": "ChunkKVPress", "chunk_length": 20, "press": SNAPKV_PRESS},
