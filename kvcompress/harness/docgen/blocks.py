@@ -42,7 +42,7 @@ def parse_spec(spec: str) -> tuple[str, list[str], dict]:
 
 def render(spec: str, root: Path, md_path: Path, write: bool = True) -> str | None:
     """The block's new body, or None when the block is to be dropped (its records are gone)."""
-    from kvcompress.harness.docgen import catalog, compare, decode, generation, leaderboard, records
+    from kvcompress.harness.docgen import catalog, compare, decode, generation, leaderboard, peers, records
 
     kind, args, options = parse_spec(spec)
     kinds = {
@@ -58,6 +58,7 @@ def render(spec: str, root: Path, md_path: Path, write: bool = True) -> str | No
         "generate": generation.generate_block,
         "leaderboard": leaderboard.block,
         "frontier": leaderboard.frontier_block,
+        "peers": peers.peers_block,
     }
     if kind not in kinds:
         raise ValueError(
