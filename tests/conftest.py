@@ -30,6 +30,7 @@ from kvcompress import kernels
 from kvcompress.core import executor
 from kvcompress.core.cache import build_cache, known_policies, known_storages, make_policy
 from kvcompress.core.registry import ENV, make_storage
+from kvcompress.harness.contract.tiny import max_memory_ratio, small_policy  # noqa: F401  (the contract's own)
 from kvcompress.kernels import ISA_ENV, ISAS
 from kvcompress.resources.assets import ARTIFACTS_ENV, ASSETS_ENV
 from kvcompress.selectors import Policy, SchedulePolicy, StoragePreset
@@ -48,16 +49,6 @@ atexit.register(shutil.rmtree, ARTIFACTS, ignore_errors=True)
 
 POLICY_NAMES = known_policies()
 STORAGE_NAMES = known_storages()
-
-
-def small_policy(policy: Policy) -> Policy:
-    """``policy`` with the small test parameters each class declares (``TEST_PARAMS``), so that a 48-token
-    test sequence is really compressed; schedules get their parts' small versions."""
-    if isinstance(policy, SchedulePolicy):
-        rules = [{**r, "policy": small_policy(r["policy"])} if "policy" in r else r for r in policy.rules]
-        default = policy.default and small_policy(policy.default)
-        return SchedulePolicy(default=default, rules=rules, storage=policy.storage)
-    return dataclasses.replace(policy, **type(policy).TEST_PARAMS)
 
 
 def small(name: str) -> Policy:
@@ -107,18 +98,6 @@ def build_or_refused(sel, var, model):
         return None
     assert declared is None, f"{sel} x {var} declares a refusal ({declared}) but was built"
     return cache
-
-
-def max_memory_ratio(policy: Policy, num_layers: int = 3) -> float:
-    """Bytes a policy may hold over ``full``'s for its own state (the largest its layers declare): the
-    selector's allowance plus its storage's (pre-RoPE low-rank positions while the tokens are still exact)."""
-    from kvcompress.memory_model import layer_policy_of
-
-    def ratio(layer_policy) -> float:
-        storage = getattr(layer_policy, "storage", None)
-        return type(layer_policy).MAX_MEMORY_RATIO + (getattr(storage, "MAX_MEMORY_RATIO", 1.0) - 1.0)
-
-    return max(ratio(layer_policy_of(policy, i, num_layers)) for i in range(num_layers))
 
 
 def _common(**extra):

@@ -10,14 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-
-@torch.inference_mode()
-def stream_logits(model, ids, cache, chunk: int):
-    """Logits (B, N, V) of ``ids`` fed in chunks of ``chunk`` tokens through ``cache``."""
-    out = []
-    for s in range(0, ids.shape[1], chunk):
-        out.append(model(ids[:, s : s + chunk], cache=cache, use_cache=True).logits)
-    return torch.cat(out, dim=1)
+from kvcompress.harness.contract.tiny import held_tensors, stream_logits  # noqa: F401  (shared with the tests)
 
 
 def refuses_padding(cache, policy_name: str) -> bool:
@@ -32,26 +25,6 @@ def refuses_padding(cache, policy_name: str) -> bool:
         with pytest.raises(ValueError, match=rf"task\.batch_size > 1 .*{named}.*Set task\.batch_size=1"):
             check_padding(cache, policy_name, "task.batch_size")
     return bool(bad)
-
-
-def held_tensors(obj, depth: int = 0):
-    """Every tensor reachable from ``obj``'s attributes (lists, tuples, dicts and its storage included)."""
-    from kvcompress.storage import Store
-
-    if depth > 4:
-        return []
-    found = []
-    values = vars(obj).values() if hasattr(obj, "__dict__") else obj
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            found.append(v)
-        elif isinstance(v, (list, tuple)):
-            found += held_tensors(v, depth + 1)
-        elif isinstance(v, dict):
-            found += held_tensors(list(v.values()), depth + 1)
-        elif isinstance(v, Store):
-            found += held_tensors(v, depth + 1)
-    return found
 
 
 FAKE_SENTENCE = (
