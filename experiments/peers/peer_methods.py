@@ -59,6 +59,18 @@ METHODS = {
         "expect": 1.0,
         "note": "kvpress counts the window inside each layer's share (variant=kvpress; default: the paper's)",
     },
+    "snapkv_defaults": {
+        "press": SNAPKV_PRESS,
+        "ours": {"name": "snapkv"},
+        "expect": None,
+        "note": "our defaults (the SnapKV paper's code: window 32) against kvpress's (64): the effect",
+    },
+    "pyramidkv_defaults": {
+        "press": {"name": "PyramidKVPress", "window_size": 64, "kernel_size": 5, "beta": 20},
+        "ours": {"name": "pyramidkv"},
+        "expect": None,
+        "note": "our defaults (the paper's code: window 32 on top of each layer's share) against kvpress's",
+    },
     "adakv_snapkv": {
         "press": {"name": "AdaKVPress", "alpha_safeguard": 0.2, "press": SNAPKV_PRESS},
         "ours": {**SNAPKV_OURS, "adaptive": True, "adaptive_floor": 0.2},
