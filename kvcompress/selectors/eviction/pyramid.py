@@ -89,7 +89,7 @@ class PyramidKVPolicy(Policy):
     def __post_init__(self):
         try:
             probe = self.policy if isinstance(self.policy, Policy) else self._inner(1, None)
-        except TypeError as err:  # a policy without budget / compression_ratio fields
+        except (TypeError, ValueError) as err:  # a policy without budget / compression_ratio fields
             raise ValueError(f"pyramidkv.policy={self.policy!r} must be an eviction policy ({err})") from err
         if not isinstance(probe, EvictionPolicy):
             allowed = "h2o, snapkv, tova"
