@@ -49,11 +49,12 @@ def idle_cause(cache, prefix: int, chunk_size: int) -> str:
     )
 
 
-def policy_acted(model, cache, tokens: int, cause: str) -> dict:
+def policy_acted(model, cache, tokens: int, cause: str, prefill=None, chunk=None) -> dict:
     """``cache_bytes``, ``full_cache_bytes`` (``full`` over the same ``tokens``), ``cache_ratio``,
     ``tokens_evicted``, ``read_ratio`` and ``compressed`` of ``cache``; a ``warning`` with ``cause`` when its
-    policy (not ``full``) did not compress; the storage's and SnapKV window's flags (``metrics.acted``)."""
-    held, full = cache.memory_bytes(), full_cache_bytes(model, tokens)
+    policy (not ``full``) did not compress; the storage's and SnapKV window's flags (``metrics.acted``).
+    ``prefill`` and ``chunk``: how the tokens were fed (``full_cache_bytes``), so ``full`` reads 1.000."""
+    held, full = cache.memory_bytes(), full_cache_bytes(model, tokens, prefill=prefill, chunk=chunk)
     out = {"cache_bytes": held, "full_cache_bytes": full, "cache_ratio": held / full}
     per_token = held - fixed_bytes(cache)  # a low-rank basis is per model, not per token
     out |= compression_check(

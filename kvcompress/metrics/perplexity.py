@@ -105,7 +105,8 @@ def decode_perplexity(
         "prefix_tokens": first or None,
     }
     if check and hasattr(cache, "stats"):
-        result |= policy_acted(model, cache, n - 1, idle_cause(cache, first, chunk_size))
+        fed = {"prefill": first or None, "chunk": chunk_size}  # how the n - 1 consumed tokens came
+        result |= policy_acted(model, cache, n - 1, idle_cause(cache, first, chunk_size), **fed)
     return result
 
 

@@ -3,7 +3,8 @@
 A cache grows its buffers with headroom (``core.buffers.headroom``: one spare slot per 128 tokens, counted
 as memory), so ``full`` after a prefill of P tokens and D one-token steps holds a little more than ``full``
 after one prefill of P + D tokens (about 0.5% on a 2k-token retrieval case). A ratio against the second
-would show ``full`` at 1.005 against itself; ``prefill=P`` gives the first.
+would show ``full`` at 1.005 against itself; ``prefill=P`` gives the first, and ``chunk=C`` a stream of
+C-token forwards after it (decode-mode perplexity), so ``full`` reads exactly 1.000 against itself.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from kvcompress.core.cache import build_cache
 _FULL_BYTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: bytes of one row}
 
 
-def full_cache_bytes(model, tokens: int, batch: int = 1, prefill: int | None = None) -> int:
+def full_cache_bytes(
+    model, tokens: int, batch: int = 1, prefill: int | None = None, chunk: int | None = None
+) -> int:
     """Bytes of the uncompressed (``full``) cache over ``tokens`` tokens: the reference of ``cache_ratio``.
 
     Measured on one row of a real ``full`` cache and multiplied by ``batch``: every tensor ``full`` holds is
@@ -26,17 +29,30 @@ def full_cache_bytes(model, tokens: int, batch: int = 1, prefill: int | None = N
 
     Args:
         tokens: tokens the cache consumed.
-        prefill: the tokens of the first forward when the others came one per forward (retrieval: the
-            prompt, then the question and answer tokens); None: all ``tokens`` in one forward.
+        prefill: the tokens of the first forward when the others came in later forwards (retrieval: the
+            prompt, then the question and answer tokens); None: no separate first forward.
+        chunk: tokens per later forward (1 when None and ``prefill`` is set); with neither, all ``tokens``
+            in one forward.
     """
     if prefill is not None and not 1 <= prefill <= tokens:
         raise ValueError(f"full_cache_bytes: prefill={prefill} must be in [1, tokens={tokens}]")
-    prefill = None if prefill == tokens else prefill
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"full_cache_bytes: chunk={chunk} must be >= 1")
+    steps = _steps(tokens, prefill, chunk)
     known = _FULL_BYTES.setdefault(model, {})
-    key = (tokens, prefill, str(model.dtype), str(model.device))
+    key = (tokens, steps[0], steps[1] if len(steps) > 1 else None, str(model.dtype), str(model.device))
     if key not in known:
-        known[key] = _measure_full(model, tokens) if prefill is None else _replay_full(model, tokens, prefill)
+        known[key] = _measure_full(model, tokens) if len(steps) == 1 else _replay_full(model, steps)
     return batch * known[key]
+
+
+def _steps(tokens: int, prefill: int | None, chunk: int | None) -> list[int]:
+    """The sizes of the forwards that fed ``tokens`` tokens."""
+    if prefill is None and chunk is None:
+        return [tokens]
+    first = prefill or 0
+    chunk = chunk or 1
+    return ([first] if first else []) + [min(chunk, tokens - s) for s in range(first, tokens, chunk)]
 
 
 @torch.inference_mode()
@@ -49,11 +65,10 @@ def _measure_full(model, tokens: int) -> int:
 
 
 @torch.inference_mode()
-def _replay_full(model, tokens: int, prefill: int) -> int:
-    """One row of ``full`` after a forward of ``prefill`` tokens then one-token forwards up to ``tokens``,
-    each layer driven by hand (what it stores depends on the step sizes only, not on the values)."""
+def _replay_full(model, steps: list[int]) -> int:
+    """One row of ``full`` after forwards of ``steps`` tokens each, each layer driven by hand (what it stores
+    depends on the step sizes only, not on the values)."""
     cache = build_cache("full", model)
-    steps = [prefill] + [1] * (tokens - prefill)
     for layer in cache.layers:
         shape = (1, layer.spec.num_kv_heads, 0, layer.spec.head_dim)
         for q in steps:

@@ -40,3 +40,18 @@ def test_a_prefill_of_every_token_is_the_one_forward_reference():
 def test_a_prefill_outside_the_tokens_is_refused(prefill):
     with pytest.raises(ValueError, match=r"prefill=.* must be in \[1, tokens=40\]"):
         full_cache_bytes(make_family("llama"), 40, prefill=prefill)
+
+
+@pytest.mark.parametrize("prefix, chunk", [(None, 1), (None, 7), (100, 1), (100, 5)])
+def test_full_streamed_by_decode_perplexity_reads_exactly_one(prefix, chunk):
+    """Decode-mode perplexity feeds ``full`` a prefix then ``chunk``-token forwards past 128 tokens (where
+    buffers grow with headroom): its ratio against the reference fed the same way is exactly 1, where one
+    prefill of the same tokens read about 1.002 before."""
+    from kvcompress.metrics import decode_perplexity
+
+    model = make_family("llama")
+    ids = torch.randint(2, 90, (1, 301), generator=torch.Generator().manual_seed(0))
+    got = decode_perplexity(model, ids, build_cache("full", model), chunk_size=chunk, prefix_tokens=prefix)
+    assert got["cache_ratio"] == 1.0 and got["full_cache_bytes"] == got["cache_bytes"]
+    if chunk > 1:  # chunked steps grow buffers with headroom that one forward of the same tokens never has
+        assert full_cache_bytes(model, 300) < got["cache_bytes"]

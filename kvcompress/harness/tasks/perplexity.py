@@ -87,7 +87,8 @@ def _score(model, tokenizer, ids, policy, cfg, chars) -> dict:
     metrics["tokens_stored_mean"] = sum(s["tokens_stored"] for s in cache.stats()) / len(cache.layers)
     metrics.update(read_summary(cache.stats()))  # block_sparse: bytes read per decode step
     metrics.update(tier_summary(cache.stats()))  # tiered: bytes per tier, fetches, LRU hit rate
-    metrics["full_cache_bytes"] = full_cache_bytes(model, ids.shape[1] - 1)  # the tokens the cache consumed
+    fed = {"prefill": metrics["prefix_tokens"], "chunk": cfg.chunk_size}  # full fed as the policy was
+    metrics["full_cache_bytes"] = full_cache_bytes(model, ids.shape[1] - 1, **fed)  # the tokens consumed
     metrics["cache_ratio"] = metrics["cache_bytes"] / metrics["full_cache_bytes"]
     per_token = metrics["cache_bytes"] - metrics["fixed_bytes"]
     metrics["per_token_cache_ratio"] = per_token / metrics["full_cache_bytes"]  # bases left out
