@@ -137,6 +137,12 @@ def _shrunk(command: list[str], checkpoint: Path) -> list[str]:
     if len(command) > 1 and command[1] == "compare":
         return command
     model = ["model=hf", f"model.name={checkpoint}", "task.text=essay.txt", "task.progress=false"]
+    if (
+        "storage=quant" in command
+    ):  # the tiny model's heads have 16 dimensions: groups of 32 cannot divide them
+        model.append("storage.group_size=16")
+    if "sweep=quant_bits" in command:
+        model.append("policy.group_size=16")
     if "task=niah" in command:
         sizes = ["task.lengths=[96]", "task.depths=[50]", "task.extra_needles=[]", "task.max_new_tokens=4"]
         return [*command, *model, *sizes, "task.chat_template=false"]
