@@ -137,9 +137,8 @@ def _shrunk(command: list[str], checkpoint: Path) -> list[str]:
     if len(command) > 1 and command[1] == "compare":
         return command
     model = ["model=hf", f"model.name={checkpoint}", "task.text=essay.txt", "task.progress=false"]
-    if (
-        "storage=quant" in command
-    ):  # the tiny model's heads have 16 dimensions: groups of 32 cannot divide them
+    # the tiny model's heads have 16 dimensions: quant's default groups of 32 cannot divide them
+    if "storage=quant" in command:
         model.append("storage.group_size=16")
     if "sweep=quant_bits" in command:
         model.append("policy.group_size=16")
