@@ -31,6 +31,7 @@ from kvcompress.core.profiling import TIMER
 NAME = "kvcompress"
 BACKENDS = ("sdpa", "eager")
 HOOKS = "_kvcompress_hooks"  # the model attribute holding install()'s hook handles
+HIDDEN = "_kvcompress_hidden"  # the model attribute saying its attention modules hand over hidden states
 
 
 # the model config attribute naming the kernel behind "kvcompress", and its value when unset
@@ -116,6 +117,7 @@ class ForwardState:
         self.cache = cache  # the cache this forward runs with (a layer may look at the next one)
         self._valid: dict = {}  # (q, device) -> validity of the forward's last q tokens, computed once
         self.pending: dict[int, object] = {}  # layer index -> the layer that stored and awaits attention
+        self.hidden: dict[int, torch.Tensor] = {}  # layer index -> its attention's input (B, q, hidden)
 
     def new_token_validity(self, batch: int, q: int, device) -> torch.Tensor | None:
         """Validity (B, q) bool of this forward's new tokens, or None when all are real (one check per
@@ -147,16 +149,36 @@ def pre_hook(module, args, kwargs):
     return args, {**kwargs, KEY: ForwardState(mask, cache)}
 
 
+def hidden_hook(module, args, kwargs):
+    """Forward pre-hook of a decoder layer's attention module: its input hidden states (B, q, hidden) go to
+    this forward's ``ForwardState`` when the cache layer of ``module.layer_idx`` asks for them
+    (``wants_hidden``, KVzap's surrogate); the layer takes them out in its ``update``."""
+    state = kwargs.get(KEY)
+    idx = getattr(module, "layer_idx", None)
+    if state is None or idx is None or state.cache is None or idx >= len(state.cache.layers):
+        return None
+    if getattr(state.cache.layers[idx], "wants_hidden", False):
+        state.hidden[idx] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    return None
+
+
+def attention_modules(model) -> list:
+    """The decoder layers' attention modules (``*.self_attn`` with a ``layer_idx``)."""
+    found = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "self_attn"]
+    return [m for m in found if getattr(m, "layer_idx", None) is not None]
+
+
 def register() -> None:
     """Register the attention and mask functions (idempotent)."""
     AttentionInterface.register(NAME, kvcompress_attention)
     AttentionMaskInterface.register(NAME, kvcompress_mask)
 
 
-def install(model) -> None:
+def install(model, hidden: bool = False) -> None:
     """Route ``model``'s attention through ``"kvcompress"``, keeping its sdpa/eager kernel as the backend (any
     other implementation is refused by name, never silently replaced), and hook its forward (and its base
-    model's) so each forward hands its cache a fresh ``ForwardState``."""
+    model's) so each forward hands its cache a fresh ``ForwardState``. ``hidden``: also hook each attention
+    module so layers that want their input hidden states get them (``hidden_hook``)."""
     register()
     current = model.config._attn_implementation
     if current != NAME:
@@ -166,6 +188,17 @@ def install(model) -> None:
         modules = {id(m): m for m in (model, getattr(model, "base_model", model))}.values()
         handles = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for m in modules]
         setattr(model, HOOKS, handles)
+    if hidden and not getattr(model, HIDDEN, False):
+        modules = attention_modules(model)
+        if not modules:
+            raise ValueError(
+                f"{type(model).__name__} has no decoder attention modules named self_attn with a layer_idx: "
+                "a policy that reads the layers' input hidden states (kvzap) cannot hook them"
+            )
+        getattr(model, HOOKS).extend(
+            m.register_forward_pre_hook(hidden_hook, with_kwargs=True) for m in modules
+        )
+        setattr(model, HIDDEN, True)
 
 
 def _served(implementation) -> str:
@@ -186,6 +219,7 @@ def uninstall(model) -> None:
     for handle in getattr(model, HOOKS, None) or ():
         handle.remove()
     setattr(model, HOOKS, None)
+    setattr(model, HIDDEN, False)
     if model.config._attn_implementation == NAME:
         model.set_attn_implementation(backend_of(model.config))
 
@@ -195,8 +229,9 @@ def detach(model) -> None:
     implementation again, no hooks, no kvcompress entry in its config. Caches built for it stop working
     with it."""
     uninstall(model)
-    if hasattr(model, HOOKS):
-        delattr(model, HOOKS)
+    for name in (HOOKS, HIDDEN):
+        if hasattr(model, name):
+            delattr(model, name)
     if "kvcompress_backend" in vars(model.config):
         del model.config.kvcompress_backend
 

@@ -149,8 +149,8 @@ def build_cache(policy, model, /, **params) -> KVCache:
     spec = model_spec(model)
     policy.check(spec)
     policy.prepare(model)
-    attention.install(model)
     layers = [policy.layer(i, spec) for i in range(spec.num_layers)]
+    attention.install(model, hidden=any(layer.wants_hidden for layer in layers))
     return KVCache(layers, policy, model)
 
 

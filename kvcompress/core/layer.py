@@ -26,6 +26,10 @@ class PolicyLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
     wants_scores = False
+    wants_hidden = False  # the step's input hidden states (B, q, hidden) arrive as ``hidden`` (KVzap)
+    hidden: torch.Tensor | None = (
+        None  # this step's, taken from the forward's state (``attention.hidden_hook``)
+    )
     order_free = False  # True: no decision depends on stored order, so evicting one token may reorder
     needs_positions = False  # track each stored token's absolute position (``pos``) even on full layers
     contiguous = False  # stored tokens are always the latest ones in order (positions need no tracking)
@@ -105,6 +109,8 @@ class PolicyLayer(CacheLayerMixin):
         b, _, q, _ = key_states.shape
         device = key_states.device
         new_valid = None if forward is None else forward.new_token_validity(b, q, device)
+        if self.wants_hidden:  # the forward hands them over once: nothing keeps them past this step
+            self.hidden = None if forward is None else forward.hidden.pop(self.layer_idx, None)
         if self.on_append is not None:
             self.on_append(key_states, new_valid)
         if self.seen == 0 and self.chunked:
