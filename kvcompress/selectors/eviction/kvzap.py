@@ -1,73 +1,100 @@
-"""KVzap: KVzip's query-agnostic scores predicted from each pair's own key and value, inside the prefill.
+"""KVzap: KVzip+'s scores predicted from each layer's input hidden states, in prefill and in decoding.
 
-Jegou et al., "KVzap" (arXiv 2601.07891) and Fast KVzip (arXiv 2601.17668): a model trained to predict KVzip's
-reconstruction scores (Kim et al., arXiv 2505.23416) replaces the context pass, so compression costs one
-small map per layer instead of a second pass over the context. Here the map is linear per layer and KV head,
-over the key's RoPE-pair magnitudes and the value (``kvzap_fit``, fitted on the model from a text's tail
-and saved beside the low-rank calibrations the first time a model is used, then loaded).
+Jegou et al., "KVzap: Fast, Adaptive, and Faithful KV Cache Pruning" (arXiv 2601.07891), as kvpress's
+``KVzapPress`` inside its ``DMSPress`` (Dynamic Memory Sparsification's inference, arXiv 2506.05345): a
+surrogate per layer (``model_type``: linear or a two-layer MLP, ``kvzap_model``) maps the attention's input
+hidden state of each new token to a log-score per KV head; the last ``window`` tokens are always kept and the
+others compete by score. KVzip's context pass (Kim et al., arXiv 2505.23416) is replaced by the surrogate, so
+compression costs one small map per token. The surrogates are trained by the toolkit on the model the first
+time it is used (``kvzap_fit``: KVzip+ targets on a text's tail, held-out fit recorded), saved and loaded.
+The paper prunes by a score threshold; here the budget is a ratio (or a fixed count) as for every scorer.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from kvcompress.core.fields import Int
-from kvcompress.core.policy import Shape
-from kvcompress.selectors.eviction import kvzap_fit
-from kvcompress.selectors.eviction.base import EvictionLayer, EvictionPolicy
+import torch
 
-_SMALL_FIT = {"fit_text": "random", "fit_documents": 3, "fit_tokens": 24, "fit_holdout": 1}  # tests: seconds
+from kvcompress.core.fields import Choice, Int
+from kvcompress.core.policy import Shape
+from kvcompress.selectors.eviction import kvzap_fit, kvzap_model
+from kvcompress.selectors.eviction.base import EvictionLayer, EvictionPolicy
+from kvcompress.selectors.eviction.when import EVICT_AT
+
+SCORE_BYTES = 4  # one float32 predicted score per stored token and KV head
+_SMALL_FIT = {"fit_text": "random", "fit_documents": 3, "fit_tokens": 24, "fit_holdout": 1, "fit_sample": 16}
 
 
 class KVzapLayer(EvictionLayer):
-    """At a multi-token step that leaves more than the target, keeps the last ``window`` tokens, the first
-    ``sink_tokens`` real ones, and each KV head's pairs of highest predicted score. Decode tokens are
-    appended."""
+    """Scores each new token from its hidden state as it is stored (``zscore`` (B, H_kv, T) float32, moved
+    with every eviction); after a multi-token step's attention (and after every step with
+    ``evicts: always``) keeps the last ``window`` tokens and each KV head's best-scored others."""
 
-    observed_probs = "none"  # scores from the stored keys and values: the model's own kernel attends
+    wants_hidden = True
+    observed_probs = "none"  # scores from the hidden states: the model's own kernel attends
+    per_token = ("zscore",)
+
+    def on_append(self, key_states, new_valid) -> None:
+        super().on_append(key_states, new_valid)
+        new = self.score(self.hidden)  # (B, H_kv, q)
+        self.hidden = None
+        self.zscore = new if self.zscore is None else self.slots.grow("zscore", self.zscore, new)
+
+    def score(self, hidden: torch.Tensor | None) -> torch.Tensor:
+        """Predicted log KVzip+ scores (B, H_kv, q) float32 of a step's tokens from their hidden states
+        (B, q, hidden), the attention module's input."""
+        if hidden is None:
+            raise ValueError(
+                "kvzap scores tokens from the attention's input hidden states, which reach a layer only "
+                "inside a model forward with a cache from build_cache (none came with this step)"
+            )
+        return kvzap_model.predict(self.policy.surrogate, self.layer_idx, hidden)
 
     def observe_attention(self, query, key, scaling: float, probs=None) -> None:
         k = self.target()
-        if query.shape[2] == 1 or self.stored_length() <= k:
+        if (query.shape[2] == 1 and self.policy.evicts != "always") or self.stored_length() <= k:
             return
-        scores = kvzap_fit.predict(self.policy.weights[self.layer_idx], key, self.store.read()[1])
-        sinks = self.first_real(self.policy.sink_tokens, scores.shape[-1], scores.device)
+        scores = self.zscore.clone()
         if self.valid is not None:
-            scores.masked_fill_(~self.valid, -math.inf)
-        self.select(scores, k, protect=min(self.policy.window, k), pinned=sinks)
+            scores.masked_fill_(~self.valid, -torch.inf)
+        self.select(scores, k, protect=min(self.policy.window, k))
 
 
 @dataclass
 class KVzapPolicy(EvictionPolicy):
-    """Keep, per layer and KV head, the ``budget`` (or ``1 - compression_ratio``) prompt pairs: the last
-    ``window``, the first ``sink_tokens``, and those whose predicted KVzip score is highest; no context pass.
+    """Keep, per layer and KV head, the last ``window`` tokens and, within the budget (or
+    ``1 - compression_ratio`` of the tokens seen), those whose predicted KVzip+ score is highest.
 
     Args:
-        budget / compression_ratio: see ``EvictionPolicy`` (of the tokens held at each prefill step).
-        sink_tokens: first real tokens always kept.
-        window: last tokens always kept (within the budget), as KVzap's sliding window: a map of a pair's
-            own key and value cannot see that the prompt's last tokens (a question, the reply's turn) are
-            what the next queries read. On the embedded model kvzap answered 1 of 90 RULER samples at 0.75
-            with or without it (docs/results.md).
-        fit_text: the text whose last ``fit_documents * fit_tokens`` tokens the scorer is fitted on
+        budget / compression_ratio: see ``EvictionPolicy`` (enforced after each multi-token step).
+        model_type: the surrogate, ``mlp`` (the paper's default: hidden -> 512 -> GELU -> KV heads) or
+            ``linear`` (ridge regression).
+        window: last tokens always kept (DMSPress's ``sliding_window_size``).
+        fit_text: the text whose last ``fit_documents * fit_tokens`` tokens the surrogates are trained on
             (``pg_essays``, a path, a `datasets` spec, or ``random`` for tests).
         fit_documents: pieces of ``fit_tokens`` tokens; the last ``fit_holdout`` are held out and scored.
-        fit_dir: where fitted scorers are saved (null: ``<kvcompress cache>/calibration``).
+        fit_sample: random tokens of each training piece the surrogates learn from (the script's 500).
+        fit_dir: where trained surrogates are saved (null: ``<kvcompress cache>/calibration``).
     """
 
     layer_class = KVzapLayer
-    evicts = "prefill"
-    FORMULA = True  # the memory formula below is this class's own
-    TEST_PARAMS = {"budget": 12, "compression_ratio": None, "sink_tokens": 2, "window": 3, **_SMALL_FIT}
-    FUZZ = [{**alt, "sink_tokens": (0, 6), "window": (0, 8), **_SMALL_FIT} for alt in EvictionPolicy.FUZZ]
+    evict_at: str = Choice("prefill", EVICT_AT)  # the prompt; always: decode steps too (DMS-style)
+    FORMULA = True  # the memory formulas below are this class's own
+    MAX_MEMORY_RATIO = 1.07  # a float32 score per token and head: 6.25% of K+V at D=16
+    TEST_PARAMS = {"budget": 12, "compression_ratio": None, "window": 3, **_SMALL_FIT}
+    FUZZ = [
+        {**alt, "window": (0, 8), "model_type": ["linear", "mlp"], **_SMALL_FIT}
+        for alt in EvictionPolicy.FUZZ
+    ]
 
-    sink_tokens: int = Int(4, low=0)
-    window: int = Int(32, low=0)
+    model_type: str = Choice("mlp", kvzap_model.MODEL_TYPES)
+    window: int = Int(128, low=0)
     fit_text: str = "pg_essays"
-    fit_documents: int = Int(24, low=2)
-    fit_tokens: int = Int(512, low=8)
-    fit_holdout: int = Int(6, low=1)
+    fit_documents: int = Int(40, low=2)
+    fit_tokens: int = Int(1000, low=8)
+    fit_holdout: int = Int(4, low=1)
+    fit_sample: int = Int(500, low=1)
     fit_dir: str | None = None
 
     def __post_init__(self):
@@ -75,16 +102,21 @@ class KVzapPolicy(EvictionPolicy):
         if self.fit_holdout >= self.fit_documents:
             raise ValueError(
                 f"kvzap.fit_holdout={self.fit_holdout} must be below "
-                f"kvzap.fit_documents={self.fit_documents}: the scorer needs documents to fit on"
+                f"kvzap.fit_documents={self.fit_documents}: the surrogate needs documents to fit on"
             )
 
     def prepare(self, model) -> None:
-        """Load this model's fitted scorer, fitting it first when none is saved (``kvzap_fit.scorer``)."""
+        """Load this model's trained surrogates, training them first when none are saved (``kvzap_fit``)."""
         super().prepare(model)
         found = kvzap_fit.scorer(model, self.fit_text, self.fit_documents, self.fit_tokens, self.fit_holdout,
-                                 self.fit_dir)  # fmt: skip
-        self.weights = found["weights"]  # (L, H_kv, F) float32, not a field: what the fit found
+                                 min(self.fit_sample, self.fit_tokens), self.fit_dir)  # fmt: skip
+        self.surrogate = found[self.model_type]  # not a field: what the fit found
+        self.fit = {"path": found["path"], **found["fit"][self.model_type]}
 
     def kept_tokens(self, s: Shape) -> int:
         """The prompt cut to ``min(n, keep_count(n))`` at the prefill; decode tokens appended."""
         return min(s.prefill, self.keep_count(s.prefill)) + s.decode
+
+    def state_bytes(self, s: Shape, kept: int) -> int:
+        """One float32 predicted score per kept token and KV head."""
+        return s.per_token(SCORE_BYTES, kept)
