@@ -63,9 +63,12 @@ RATIO_PATHS = {  # a selector's other way of sizing what it keeps or reads: a ra
 
 
 def budget_paths(sel: str) -> list[str]:
-    """``fixed`` (the class's ``TEST_PARAMS``) and, for a selector sized by a ratio too, ``ratio``."""
+    """``fixed`` (the class's ``TEST_PARAMS``), for a selector sized by a ratio too ``ratio``, and for one
+    whose test parameters evict at every step ``prefill`` (``evict_at: prefill``: decode steps append)."""
     fields = {f.name for f in dataclasses.fields(make_policy(sel))}
-    return ["fixed", *(["ratio"] if fields & set(RATIO_PATHS) else [])]
+    paths = ["fixed", *(["ratio"] if fields & set(RATIO_PATHS) else [])]
+    return paths + (["prefill"] if policy_of(sel, {"name": "dense"}).evicts == "always" and
+                    "evict_at" in fields else [])  # fmt: skip
 
 
 def policy_of(sel: str, params: dict, path: str = "fixed"):
@@ -73,11 +76,15 @@ def policy_of(sel: str, params: dict, path: str = "fixed"):
     (``RATIO_PATHS``) instead of its test parameters' fixed budget."""
     policy = make_policy(sel)
     policy = dataclasses.replace(policy, **type(policy).TEST_PARAMS)
+    fields = {f.name for f in dataclasses.fields(policy)}
     if path == "ratio":
-        fields = {f.name for f in dataclasses.fields(policy)}
         for name, change in RATIO_PATHS.items():
             if name in fields:
                 policy = dataclasses.replace(policy, **change)
+    if path == "prefill":  # evicts the prompt only; decode steps append
+        policy = dataclasses.replace(
+            policy, evict_at="prefill", **({"slack": None} if "slack" in fields else {})
+        )
     return dataclasses.replace(policy, storage=make_storage(dict(params)))
 
 

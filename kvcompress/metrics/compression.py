@@ -79,3 +79,23 @@ def compression_check(
         )
         result |= flag_uncompressed(policy_name, f"in this run ({evidence})", hint)
     return result
+
+
+def effective_ratios(stats: list[dict]) -> dict:
+    """The compression a cache really reached, from its ``stats()``: ``effective_compression_ratio`` (tokens
+    removed over tokens seen, all layers and KV heads), ``effective_ratio_per_layer`` and, per layer, each KV
+    head's ``effective_ratio_per_head`` (from ``tokens_per_head``: a threshold or head-adaptive budgets give
+    heads their own counts; one entry for a layer that reports none). Row 0 of a batch."""
+    per_layer, per_head, seen_all, kept_all = [], [], 0, 0.0
+    for s in stats:
+        seen = int(s.get("tokens_seen", 0))
+        heads = s.get("tokens_per_head") or [s.get("tokens_stored", seen)]
+        kept = sum(heads) / len(heads)
+        per_layer.append(round(1.0 - kept / seen, 6) if seen else 0.0)
+        per_head.append([round(1.0 - n / seen, 6) if seen else 0.0 for n in heads])
+        seen_all, kept_all = seen_all + seen, kept_all + kept
+    return {
+        "effective_compression_ratio": round(1.0 - kept_all / seen_all, 6) if seen_all else 0.0,
+        "effective_ratio_per_layer": per_layer,
+        "effective_ratio_per_head": per_head,
+    }

@@ -52,18 +52,26 @@ def allocate(prio: torch.Tensor, k: int, floor: float) -> torch.Tensor:
     return flat.topk(h * k, dim=-1).indices.sort(dim=-1).values
 
 
+def option(policy) -> str:
+    """The field that made the layer flat, as a config names it: ``snapkv.adaptive=true``,
+    ``snapkv.threshold=0.1``."""
+    return (
+        f"{policy.name}.adaptive=true" if policy.adaptive else f"{policy.name}.threshold={policy.threshold}"
+    )
+
+
 def refusal(policy, storage_name: str, window) -> str | None:
-    """Why ``adaptive: true`` cannot serve this layer, or None."""
+    """Why the flat layout (``adaptive: true``, or a ``threshold``) cannot serve this layer, or None."""
     if policy.evicts != "prefill" and not type(policy).adaptive_decode:
         return (
-            f"{policy.name}.adaptive=true: head-adaptive budgets are allocated when the prompt is evicted, "
-            f"and {policy.name} evicts at every decode step from more than its query (use snapkv without "
-            "slack, pyramidkv, expected_attention, kvzip, h2o or tova)"
+            f"{option(policy)}: head-adaptive budgets are allocated when the prompt is evicted, "
+            f"and {policy.name} evicts at every decode step from more than its query (use evict_at=prefill, "
+            "or pyramidkv, expected_attention, kvzip, h2o or tova)"
         )
     if storage_name != "dense":
-        return f"{policy.name}.adaptive=true stores each head's own pairs densely: use storage=dense"
+        return f"{option(policy)} stores each head's own pairs densely: use storage=dense"
     if window is not None:
-        return f"{policy.name}.adaptive=true serves full-attention layers only: use apply_to=full_attention"
+        return f"{option(policy)} serves full-attention layers only: use apply_to=full_attention"
     return None
 
 
@@ -96,9 +104,7 @@ class AdaptiveHeads:
     def flatten(self, pairs: torch.Tensor) -> torch.Tensor:
         """Keep only ``pairs`` (B, N) (``allocate``'s indices) and hold them flat; returns them."""
         if self.valid is not None:
-            raise ValueError(
-                f"{self.policy.name}.adaptive=true does not serve padded rows (batch with padding)"
-            )
+            raise ValueError(f"{option(self.policy)} does not serve padded rows (batch with padding)")
         h, t, b = self.spec.num_kv_heads, self.stored_length(), pairs.shape[0]
         self.store.keep_pairs(pairs)
 
@@ -129,7 +135,7 @@ class AdaptiveHeads:
         (``EvictionLayer.select``'s priorities: kept-first pairs above every score)."""
         if self.step_tokens > 1 or not type(self.policy).adaptive_decode:
             raise ValueError(
-                f"{self.policy.name}.adaptive=true: this layer's heads already hold their own budgets; a "
+                f"{option(self.policy)}: this layer's heads already hold their own budgets; a "
                 "second eviction of the prompt (a later step of several tokens over the budget) is not "
                 "supported"
             )
@@ -155,7 +161,7 @@ class AdaptiveHeads:
             return super().scores(query, key, scaling, window, probs)
         if query.shape[2] > 1:
             raise ValueError(
-                f"{self.policy.name}.adaptive=true: a step of several tokens after the heads took their own "
+                f"{option(self.policy)}: a step of several tokens after the heads took their own "
                 "budgets is not supported (its scores would need causal masks over the flat pairs)"
             )
         return window_scores(query, key, scaling, self._members(key.shape[1])).sum(dim=1, keepdim=True)
@@ -174,9 +180,7 @@ class AdaptiveHeads:
             return super().step(key_states, value_states, positions, forward)
         b, h, q, d = key_states.shape
         if attention.validity(forward, b, q, key_states.device) is not None:
-            raise ValueError(
-                f"{self.policy.name}.adaptive=true does not serve padded rows (batch with padding)"
-            )
+            raise ValueError(f"{option(self.policy)} does not serve padded rows (batch with padding)")
         flat = lambda x: x.transpose(1, 2).reshape(b, 1, q * h, d)  # noqa: E731  pair t * H + h
         self.on_append(flat(key_states), None)  # the selector's per-pair state grows (H2O's scores)
         self.store.append(flat(key_states), flat(value_states))
@@ -223,7 +227,7 @@ class AdaptiveHeads:
 
     def pass_refusal(self) -> str | None:
         if self.flat:
-            return f"{self.policy.name}.adaptive=true: a second context pass is not supported"
+            return f"{option(self.policy)}: a second context pass is not supported"
         return super().pass_refusal()
 
     def reset(self) -> None:

@@ -1,9 +1,11 @@
 """Shared machinery of score-based eviction (H2O, SnapKV, TOVA): budgets, per-row/per-head top-k.
 
-A policy keeps either a fixed ``budget`` of tokens per layer and KV head, or removes a fraction
-``compression_ratio`` of the tokens seen (kvpress's definition). Its layer turns attention scores into
-a per-token priority and keeps the top ``k`` per batch row and head with ``PolicyLayer.keep``, which
-frees the evicted tokens' storage. Every head keeps the same count, so no ragged masks are needed;
+A policy keeps either a fixed ``budget`` of tokens per layer and KV head, removes a fraction
+``compression_ratio`` of the tokens seen (kvpress's definition), or keeps the pairs scoring at least a
+``threshold`` (``when``); ``evict_at`` says whether it evicts at prefill only or at every step. Its layer
+turns attention scores into a per-token priority and keeps the top ``k`` per batch row and head with
+``PolicyLayer.keep``, which frees the evicted tokens' storage. Every head keeps the same count (a threshold
+or ``adaptive`` excepted: the flat layout of ``adaptive``), so no ragged masks are needed;
 padding slots (``PolicyLayer.valid``) are never kept over real tokens.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -20,6 +23,7 @@ from kvcompress.core.policy import Policy, Shape
 from kvcompress.selectors.eviction import adaptive as ada
 from kvcompress.selectors.eviction.chunks import chunk_priority
 from kvcompress.selectors.eviction.spans import span_pool
+from kvcompress.selectors.eviction.when import EVICT_AT, check_one_budget, threshold_pairs, when_refusal
 
 UNITS = ("token", "chunk")
 _BIG = 1e12  # priority offset: protected tokens above every score, padding below every score
@@ -30,21 +34,6 @@ BUDGETS = [
     {"budget": None, "compression_ratio": [0.0, 0.3, 0.5, 0.75, 0.95]},
 ]
 BUDGET_FUZZ = [{**alt, "unit": list(UNITS), "chunk_size": (1, 8), "span": (1, 6)} for alt in BUDGETS]
-
-
-DEFAULT_RATIO = 0.5  # with neither budget nor compression_ratio set
-
-
-def check_one_budget(policy) -> None:
-    """At most one of ``budget`` and ``compression_ratio``; neither means ``compression_ratio=0.5``."""
-    if policy.budget is None and policy.compression_ratio is None:
-        policy.compression_ratio = DEFAULT_RATIO
-    if (policy.budget is None) == (policy.compression_ratio is None):
-        raise ValueError(
-            f"{policy.name}: set exactly one of budget (tokens kept per layer and head) or "
-            f"compression_ratio (fraction removed); got budget={policy.budget}, "
-            f"compression_ratio={policy.compression_ratio}"
-        )
 
 
 @dataclass
@@ -65,9 +54,14 @@ class EvictionPolicy(Policy):
             head really storing its own number of tokens (``eviction.adaptive``); selectors that evict the
             prompt once, over dense storage.
         adaptive_floor: with adaptive, the fraction of the per-head budget every head keeps at least.
+        threshold: instead of budget / compression_ratio: keep the pairs whose priority (the selector's own
+            score, docs/policies.md) is at least this, per layer and KV head, plus protected tokens; heads
+            keep their own counts (``when``). Dense storage, evict_at=prefill, batch 1.
+        evict_at: prefill: evict at steps of several tokens only (decode tokens are appended); always: at
+            decode steps too. Each selector defaults to its paper's choice.
     """
 
-    evicts = "always"
+    prefill_only: ClassVar[str | None] = None  # why this selector cannot evict at decode steps, or None
     adaptive_decode = False  # adaptive: true also at decode steps, scored by the decode query (h2o, tova)
     FUZZ = BUDGET_FUZZ
 
@@ -78,28 +72,42 @@ class EvictionPolicy(Policy):
     span: int = Int(1, low=1)
     adaptive: bool = Bool(False)
     adaptive_floor: float = Float(0.2, 0.0, 1.0)
+    threshold: float | None = Float(None, -1e6, 1e6, null=True)
+    evict_at: str = Choice("always", EVICT_AT)  # a prompt-only selector declares "prefill"
 
     def __post_init__(self):
         check_one_budget(self)
         super().__post_init__()
-        why = self.adaptive and ada.refusal(self, self.storage.name, None)
+        why = when_refusal(self) or (self.flat_heads and ada.refusal(self, self.storage.name, None))
         if why:
             raise ValueError(why)
+
+    @property
+    def evicts(self) -> str:
+        return self.evict_at
+
+    @property
+    def flat_heads(self) -> bool:
+        """Whether KV heads keep their own counts (``adaptive`` or ``threshold``): the flat layout."""
+        return self.adaptive or self.threshold is not None
 
     def check(self, spec) -> None:
         super().check(spec)
         windowed = [i for i in range(spec.num_layers) if spec.window(i) is not None]
-        if self.adaptive and self.apply_to == "all" and windowed:
+        if self.flat_heads and self.apply_to == "all" and windowed:
             raise ValueError(ada.refusal(self, self.storage.name, spec.window(windowed[0])))
 
     def layer_type(self) -> type:
-        """The layer class: ``adaptive.variant`` of ``layer_class`` with head-adaptive budgets."""
-        return ada.variant(self.layer_class) if self.adaptive else self.layer_class
+        """The layer class: ``adaptive.variant`` of ``layer_class`` where heads keep their own counts."""
+        return ada.variant(self.layer_class) if self.flat_heads else self.layer_class
 
     keep_rule = None  # a callable n_tokens -> kept that overrides budget / ratio (a PyramidKV layer's share)
 
     def keep_count(self, n_tokens: int) -> int:
-        """Tokens a layer keeps per head after seeing ``n_tokens`` real tokens (at least 1)."""
+        """Tokens a layer keeps per head after seeing ``n_tokens`` real tokens (at least 1). With a threshold
+        it is no count but a cap below ``n_tokens``, so that every step of several tokens is ranked."""
+        if self.threshold is not None:
+            return max(1, n_tokens - 1)
         if self.keep_rule is not None:
             return self.keep_rule(n_tokens)
         if self.budget is not None:
@@ -113,21 +121,29 @@ class EvictionPolicy(Policy):
 
     def covering(self, n_tokens: int) -> EvictionPolicy:
         out = super().covering(n_tokens)
+        if self.threshold is not None:
+            return dataclasses.replace(out, threshold=None, compression_ratio=0.0)
         if self.budget is not None:
             return dataclasses.replace(out, budget=max(self.budget, n_tokens))
         return dataclasses.replace(out, compression_ratio=0.0)
 
     def kept_tokens(self, s: Shape) -> int:
-        """A layer that enforces its target at every step: ``min(T, keep_count(T))`` (``keep_count`` grows by
-        at most one token per token seen, so a decode step never leaves more)."""
+        """``evict_at: always`` enforces its target at every step: ``min(T, keep_count(T))`` (``keep_count``
+        grows by at most one token per token seen, so a decode step never leaves more); ``prefill``
+        compresses the prompt to ``min(n, keep_count(n))`` and appends the decode tokens."""
+        if self.evict_at == "prefill":
+            return min(s.prefill, self.keep_count(s.prefill)) + s.decode
         return min(s.total, self.keep_count(s.total))
+
+    def layer_parts(self, s: Shape, layer_idx: int):
+        """None with a threshold: how many pairs pass it depends on the scores (no guess)."""
+        return None if self.threshold is not None else super().layer_parts(s, layer_idx)
 
 
 class EvictionLayer(PolicyLayer):
     """A layer that evicts from attention scores (``observe_attention``) instead of ``compress``. With
     ``adaptive: true`` its policy builds ``adaptive.variant`` of the class instead (``adaptive`` True)."""
 
-    wants_scores = True
     adaptive = False  # head-adaptive budgets (``adaptive.AdaptiveHeads``): ``select_heads`` ranks pairs
     reads_as_stored = False  # decode attention reads dense K/V, in the grouped form where it is one
 
@@ -138,6 +154,7 @@ class EvictionLayer(PolicyLayer):
         self.padding_seen = 0  # padding tokens consumed by the least padded row
         self.unit = getattr(policy, "unit", "token")  # block_evict ranks its own blocks
         self.span = getattr(policy, "span", 1)  # runs kept together (``spans``)
+        self.threshold = getattr(policy, "threshold", None)  # block_evict sizes by its own blocks
         if self.unit == "chunk" or self.span > 1:  # runs of stored tokens: stored order stays sequence order
             self.order_free = False
 
@@ -220,6 +237,9 @@ class EvictionLayer(PolicyLayer):
         if self.unit == "chunk":
             prio = chunk_priority(prio, self.policy.chunk_size, self.valid, ~first)
         prio = torch.where(first, _BIG + order, prio)
+        if self.threshold is not None and not self.flat:  # each head its own count (``when``)
+            h, name = self.spec.num_kv_heads, self.policy.name
+            return self.flatten(threshold_pairs(prio.expand(-1, h, -1), self.threshold, name))
         if self.adaptive:  # one ranking of all (token, head) pairs (Ada-KV)
             return self.select_heads(prio, k)
         if t - k == 1 and self.valid is None and protect < t:  # decode: drop one token, no top-k or sort
@@ -242,5 +262,14 @@ class EvictionLayer(PolicyLayer):
         self.valid = self.valid.expand(-1, idx.shape[1], -1) & ~extra
         return idx
 
+    @property
+    def wants_scores(self) -> bool:
+        """Scores after attention (``observe_attention``) at every step of several tokens, and at decode
+        steps only for a selector that evicts then (``evicts: always``): with ``evict_at: prefill`` a decode
+        step asks attention for nothing and evicts nothing, whatever the selector's own code does."""
+        return self.step_tokens > 1 or self.policy.evicts == "always"
+
     def stats(self) -> dict:
-        return {**super().stats(), "target": self.target()}
+        heads = [self.stored_length()] * self.spec.num_kv_heads  # flat layers report their own counts
+        return {**super().stats(), "target": self.target(), "evict_at": self.policy.evicts,
+                "tokens_per_head": heads}  # fmt: skip

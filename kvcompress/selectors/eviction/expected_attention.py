@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.fields import Bool, Int
+from kvcompress.core.fields import Bool, Choice, Int
 from kvcompress.core.policy import Shape
 from kvcompress.selectors.eviction.base import EvictionLayer, EvictionPolicy
 from kvcompress.selectors.eviction.rope import mean_rotation, rope_frequencies, rotate
+from kvcompress.selectors.eviction.when import EVICT_AT
 
 
 def query_statistics(query: torch.Tensor, inv_freq: torch.Tensor, weight: torch.Tensor):
@@ -110,7 +111,10 @@ class ExpectedAttentionPolicy(EvictionPolicy):
     """
 
     layer_class = ExpectedAttentionLayer
-    evicts = "prefill"
+    prefill_only = (
+        "its scores are moments of a step's queries (mean and covariance), which a one-token decode step "
+        "cannot estimate"
+    )
     FORMULA = True  # the memory formulas below are this class's own
     TEST_PARAMS = {"budget": 12, "compression_ratio": None, "future_positions": 16, "sink_tokens": 2}
     FUZZ = [
@@ -123,6 +127,7 @@ class ExpectedAttentionPolicy(EvictionPolicy):
     sink_tokens: int = Int(4, low=0)
     covariance: bool = Bool(True)
     value_norm: bool = Bool(True)
+    evict_at: str = Choice("prefill", EVICT_AT)
 
     def __post_init__(self):
         super().__post_init__()

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.fields import Int
+from kvcompress.core.fields import Choice, Int
 from kvcompress.core.policy import Shape
 from kvcompress.selectors.eviction.base import EvictionLayer, EvictionPolicy
+from kvcompress.selectors.eviction.when import EVICT_AT
 
 ACC_BYTES = POS_BYTES = 4  # float32 accumulated score and int32 position per kept token and KV head
 
@@ -39,7 +40,7 @@ class H2OLayer(EvictionLayer):
         self.acc += self.scores(query, key, scaling, self.policy.observation_window, probs).sum(dim=2)
         k, t = self.target(), self.stored_length()
         if t > k:
-            recent = k // 2 if self.policy.recent is None else self.policy.recent
+            recent = self.policy.recent_for(k)
             protected = self.pos >= self.seen - recent  # the `recent` newest positions, wherever stored
             one = t - k == 1 and recent < t
             if not (one and self._drop_lowest(protected)):  # refused: ``select`` need not try it again
@@ -70,6 +71,8 @@ class H2OPolicy(EvictionPolicy):
         budget / compression_ratio: see ``EvictionPolicy``.
         recent: newest tokens always kept; None gives half of the kept tokens, the paper's equal split.
         observation_window: prompt queries whose attention seeds the accumulator at prefill.
+        evict_at: always (the paper's: the heavy hitters are re-chosen at every generated token); prefill:
+            the prompt is cut once and decode tokens are appended (unscored).
     """
 
     layer_class = H2OLayer
@@ -77,7 +80,10 @@ class H2OPolicy(EvictionPolicy):
     FORMULA = True  # the memory formulas below are this class's own
     MAX_MEMORY_RATIO = 1.07  # float32 score + int32 position per token and head: 6.25% of K+V at D=16
     TEST_PARAMS = {"budget": 12, "compression_ratio": None, "recent": 4, "observation_window": 6}
-    FUZZ = [{**alt, "recent": [None, 0, 3, 10], "observation_window": (1, 8)} for alt in EvictionPolicy.FUZZ]
+    FUZZ = [
+        {**alt, "recent": [None, 0, 3, 10], "observation_window": (1, 8), "evict_at": list(EVICT_AT)}
+        for alt in EvictionPolicy.FUZZ
+    ]
     MEMORY_VARIANTS = [
         {"budget": None, "compression_ratio": 0.5},
         {"budget": None, "compression_ratio": 0.3, "recent": 8},
@@ -85,6 +91,7 @@ class H2OPolicy(EvictionPolicy):
 
     recent: int | None = Int(None, low=0, null=True)
     observation_window: int = Int(32, low=1)
+    evict_at: str = Choice("always", EVICT_AT)
 
     def __post_init__(self):
         super().__post_init__()
@@ -93,6 +100,12 @@ class H2OPolicy(EvictionPolicy):
                 f"h2o.budget={self.budget} is below recent={self.recent}: the recent window is always "
                 "kept, so budget must be >= recent"
             )
+
+    def recent_for(self, k: int) -> int:
+        """The newest tokens kept: ``recent``, or half of ``k`` (0 with a threshold, which sets no count)."""
+        if self.recent is not None:
+            return self.recent
+        return 0 if self.threshold is not None else k // 2
 
     def state_bytes(self, s: Shape, kept: int) -> int:
         """One float32 accumulated score per kept token and KV head, and one int32 position per kept token,

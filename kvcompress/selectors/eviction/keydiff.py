@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvcompress.core.fields import Choice
 from kvcompress.selectors.eviction.base import EvictionLayer, EvictionPolicy
+from kvcompress.selectors.eviction.when import EVICT_AT
 
 
 def keydiff_scores(key: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
@@ -54,9 +56,14 @@ class KeyDiffLayer(EvictionLayer):
 @dataclass
 class KeyDiffPolicy(EvictionPolicy):
     """Keep, per layer and KV head, the ``budget`` (or ``1 - compression_ratio``) keys least similar to
-    the mean key, at every step (KeyDiff, arXiv 2504.15364); needs no attention scores."""
+    the mean key (KeyDiff, arXiv 2504.15364); needs no attention scores. ``evict_at: always`` is the
+    paper's: a fixed cache size throughout, the prompt processed block by block and every decode step
+    evicting; ``prefill`` ranks the prompt once, as kvpress's ``KeyDiffPress``."""
 
     layer_class = KeyDiffLayer
     FORMULA = True  # the inherited kept_tokens()/state_bytes() describe it exactly
     TEST_PARAMS = {"budget": 12, "compression_ratio": None}  # makes a 48-token test compress
-    MEMORY_VARIANTS = [{"budget": None, "compression_ratio": 0.25}]
+    MEMORY_VARIANTS = [{"budget": None, "compression_ratio": 0.25}, {"budget": 10, "evict_at": "prefill"}]
+    FUZZ = [{**alt, "evict_at": list(EVICT_AT)} for alt in EvictionPolicy.FUZZ]
+
+    evict_at: str = Choice("always", EVICT_AT)

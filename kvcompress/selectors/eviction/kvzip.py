@@ -20,6 +20,7 @@ from kvcompress.core.fields import Choice, Int
 from kvcompress.core.policy import Shape
 from kvcompress.selectors.eviction.base import EvictionLayer, EvictionPolicy
 from kvcompress.selectors.eviction.kvzip_scores import max_attention
+from kvcompress.selectors.eviction.when import EVICT_AT
 
 SCOPES = ("layer", "model")
 
@@ -104,7 +105,7 @@ class KVzipPolicy(EvictionPolicy):
     """
 
     layer_class = KVzipLayer
-    evicts = "prefill"  # once, at the context pass after a prefill
+    prefill_only = "its scores come from the context pass after a prefill (a reconstruction of the context)"
     FORMULA = True  # the memory formulas below are this class's own
     TEST_PARAMS = {"budget": 12, "compression_ratio": None, "context_chunk": 16, "sink_tokens": 2,
                    "budget_scope": "layer"}  # fmt: skip
@@ -116,6 +117,7 @@ class KVzipPolicy(EvictionPolicy):
     context_chunk: int = Int(512, low=1)
     sink_tokens: int = Int(4, low=0)
     budget_scope: str = Choice("model", SCOPES)
+    evict_at: str = Choice("prefill", EVICT_AT)
 
     def check(self, spec) -> None:
         """The context pass scores full-attention layers; windowed ones keep the model's own window."""

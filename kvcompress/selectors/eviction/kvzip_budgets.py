@@ -42,8 +42,9 @@ def shared_budgets(scores: list[torch.Tensor], total: int) -> list[int]:
 def plan(layers) -> list[int | None]:
     """Each KVzip layer's kept count after its context pass: None (its own target) with ``budget_scope:
     layer``; shared over the layers with ``model`` (rows of a batch each get a plan; a layer keeps the
-    largest, so a batched row may keep more than alone, never less)."""
-    if layers[0].policy.budget_scope != "model":
+    largest, so a batched row may keep more than alone, never less). A ``threshold`` sets no count: each
+    layer's heads keep what passes it."""
+    if layers[0].policy.budget_scope != "model" or layers[0].policy.threshold is not None:
         return [None] * len(layers)
     scores = [layer.context_scores().float().cpu() for layer in layers]  # (B, H_kv, T_l) each
     heads = scores[0].shape[1]

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from kvcompress.core.fields import Choice, Float, Int
 from kvcompress.selectors.eviction.snapkv import POOLINGS, SnapKVLayer, SnapKVPolicy, pool_scores
+from kvcompress.selectors.eviction.when import EVICT_AT
 
 
 def redundancy(key: torch.Tensor, valid: torch.Tensor | None, threshold: float) -> torch.Tensor:
@@ -82,3 +83,4 @@ class RKVPolicy(SnapKVPolicy):
     slack: int | None = Int(128, low=0, null=True)
     mix_lambda: float = Float(0.1, 0.0, 1.0)
     similarity_threshold: float = Float(0.5, -1.0, 1.0)
+    evict_at: str = Choice("always", EVICT_AT)  # the paper compresses the decoded reasoning as it grows

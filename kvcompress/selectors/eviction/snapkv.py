@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from kvcompress.core.fields import Choice, Int
 from kvcompress.core.policy import Shape
 from kvcompress.selectors.eviction.base import EvictionLayer, EvictionPolicy
+from kvcompress.selectors.eviction.when import EVICT_AT
 
 POOLINGS = ("max", "avg")
 
@@ -45,7 +46,7 @@ class SnapKVLayer(EvictionLayer):
             q = query if self.queries is None else torch.cat([self.queries, query], dim=2)
             self.queries = q[:, :, -w:].clone()
         if query.shape[2] > 1 and stored > k:
-            self.compress_with(query, key, scaling, k)
+            self.compress_with(query, key, scaling, k)  # slack is None unless evict_at is always
         elif query.shape[2] == 1 and p.slack is not None and stored > k + p.slack:
             self.compress_with(self.queries, key, scaling, k)
 
@@ -67,41 +68,46 @@ class SnapKVLayer(EvictionLayer):
 class SnapKVPolicy(EvictionPolicy):
     """Compress each prefill step to the budget: sum the attention of the last ``observation_window``
     queries over the prefix, pool it along the sequence (``kernel_size``, ``pooling``) so neighbours of a
-    hit survive with it, keep the top-k per KV head plus the window itself. Decode tokens are appended;
-    with ``slack`` set, the cache is re-compressed (over the last ``observation_window`` queries) whenever
-    it exceeds ``budget + slack``.
+    hit survive with it, keep the top-k per KV head plus the window itself. With ``evict_at: prefill`` (the
+    paper's) decode tokens are appended; with ``always`` the cache is re-compressed (over the last
+    ``observation_window`` queries) whenever it exceeds ``budget + slack`` (``slack`` 0 if unset).
     """
 
     layer_class = SnapKVLayer
     FORMULA = True  # the memory formulas below are this class's own
     TEST_PARAMS = {
         "budget": 12, "compression_ratio": None, "observation_window": 4, "kernel_size": 3, "slack": 3,
+        "evict_at": "always",
     }  # fmt: skip
     # slack=None: with slack SnapKV also holds its last queries (counted in memory_bytes), which on
     # sequences shorter than about budget + 1.5 x window is more than the full cache holds.
     FUZZ = [
-        {**alt, "observation_window": (1, 8), "kernel_size": [1, 3, 5], "slack": None}
+        {**alt, "observation_window": (1, 8), "kernel_size": [1, 3, 5], "slack": None, "evict_at": "prefill"}
         for alt in EvictionPolicy.FUZZ
     ]
     MEMORY_VARIANTS = [
         {"budget": None, "compression_ratio": 0.4},
-        {"budget": 150, "compression_ratio": None, "observation_window": 8, "slack": 5},
-        {"budget": None, "compression_ratio": 0.5, "observation_window": 8, "slack": 2},
+        {"budget": 150, "compression_ratio": None, "observation_window": 8, "slack": 5, "evict_at": "always"},
+        {"budget": None, "compression_ratio": 0.5, "observation_window": 8, "slack": 2, "evict_at": "always"},
     ]
 
     observation_window: int = Int(32, low=1)
     kernel_size: int = Int(5, low=1)
     pooling: str = Choice("avg", POOLINGS)
     slack: int | None = Int(None, low=0, null=True)
+    evict_at: str = Choice("prefill", EVICT_AT)  # the paper's: the prompt is compressed once
 
     def __post_init__(self):
         super().__post_init__()
         if self.kernel_size % 2 == 0:
             raise ValueError(f"snapkv.kernel_size={self.kernel_size} must be an odd integer >= 1")
-
-    @property
-    def evicts(self) -> str:
-        return "prefill" if self.slack is None else "always"
+        if self.evict_at == "prefill" and self.slack is not None:
+            raise ValueError(
+                f"{self.name}.slack={self.slack} re-compresses at decode steps, but evict_at='prefill': set "
+                "evict_at=always (or slack=null)"
+            )
+        if self.evict_at == "always" and self.slack is None:
+            self.slack = 0  # re-compressed at every decode step over the budget
 
     @property
     def reserved(self) -> int:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvcompress.core.fields import Choice
 from kvcompress.selectors.eviction.base import EvictionLayer, EvictionPolicy
+from kvcompress.selectors.eviction.when import EVICT_AT
 
 
 class TOVALayer(EvictionLayer):
@@ -32,10 +34,15 @@ class TOVALayer(EvictionLayer):
 class TOVAPolicy(EvictionPolicy):
     """Once the layer holds more than its budget, drop the tokens with the lowest attention from the
     step's last query, averaged over all heads of the layer (the paper's layer-wise variant: every head
-    keeps the same tokens, as in the authors' cache). Nothing is protected, not even the newest token."""
+    keeps the same tokens, as in the authors' cache). Nothing is protected, not even the newest token.
+    ``evict_at: always`` (the paper's: a multi-state RNN drops one state per generated token); ``prefill``
+    ranks the prompt by its last query once, as kvpress's ``TOVAPress``."""
 
     layer_class = TOVALayer
     adaptive_decode = True  # scored by the decode query alone: pairs can compete across heads at each step
     FORMULA = True  # the memory formulas below are this class's own
     TEST_PARAMS = {"budget": 12, "compression_ratio": None}
-    MEMORY_VARIANTS = [{"budget": None, "compression_ratio": 0.25}]
+    MEMORY_VARIANTS = [{"budget": None, "compression_ratio": 0.25}, {"budget": 10, "evict_at": "prefill"}]
+    FUZZ = [{**alt, "evict_at": list(EVICT_AT)} for alt in EvictionPolicy.FUZZ]
+
+    evict_at: str = Choice("always", EVICT_AT)

@@ -55,7 +55,7 @@ def test_ratio_removes_that_fraction_of_tokens_seen_at_every_step(cls, llama, to
 
 
 def test_snapkv_compresses_prefill_and_recompresses_decode_above_slack(llama, tokens):
-    cache = build_cache(SnapKVPolicy(budget=8, observation_window=4, slack=3), llama)
+    cache = build_cache(SnapKVPolicy(budget=8, observation_window=4, slack=3, evict_at="always"), llama)
     stored = []
     with torch.inference_mode():
         llama(tokens[:, :20], cache=cache, use_cache=True)
