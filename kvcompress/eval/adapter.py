@@ -38,6 +38,8 @@ from kvcompress.metrics.compression import (
     flag_uncompressed,
     full_cache_bytes,
     is_compressed,
+    kept_counts,
+    ratios_of,
     read_counts,
     tokens_evicted,
 )
@@ -186,6 +188,7 @@ class KVCompressLM(CalibrationGuard, HFLM):
         evicted = tokens_evicted(cache) * batch  # slots dropped, in every row of the batch
         read, visible = read_counts(cache)
         self.kvc_stats["forward_calls"] += forwards
+        self._add_kept(*kept_counts(cache.stats()), batch)
         for stats in (self.kvc_stats, self.kvc_stats[kind]):
             stats["requests"] += batch  # rows: a batch of 8 is 8 requests
             stats["tokens_evicted"] += evicted
@@ -194,6 +197,18 @@ class KVCompressLM(CalibrationGuard, HFLM):
             stats["attention_backends"].update(attention_backends(cache))
             if cache.get_seq_length() >= stats["tokens"]:
                 stats.update(tokens=cache.get_seq_length(), batch=batch, cache_bytes=cache.memory_bytes())
+
+    def _add_kept(self, seen: list[int], kept: list[list[int]], batch: int) -> None:
+        """Sum tokens seen per layer and kept per (layer, KV head) over requests (row 0 for each row of a
+        batch): ``compression`` reports their effective compression ratios."""
+        sums = self.kvc_stats.setdefault(
+            "kept", {"seen": [0] * len(seen), "kept": [[0] * len(k) for k in kept]}
+        )
+        sums["seen"] = [a + b * batch for a, b in zip(sums["seen"], seen, strict=True)]
+        sums["kept"] = [
+            [a + b * batch for a, b in zip(x, y, strict=True)]
+            for x, y in zip(sums["kept"], kept, strict=True)
+        ]
 
     def compression(self) -> dict:
         """``tokens_evicted`` over all requests and ``compressed`` when every kind of request that ran
@@ -214,6 +229,8 @@ class KVCompressLM(CalibrationGuard, HFLM):
             "compressed": bool(verdicts) and not missed,
             "attention_backends": dict(sorted(self.kvc_stats["attention_backends"].items())),
         }
+        if "kept" in self.kvc_stats:  # over every request: tokens kept over tokens seen, at each's end
+            result |= ratios_of(self.kvc_stats["kept"]["seen"], self.kvc_stats["kept"]["kept"])
         if missed:
             evidence = " (no eviction, every token read, bytes not below full)"
             what = " or ".join(f"its {k} requests" for k in missed) + evidence

@@ -123,8 +123,9 @@ def run(model, tokenizer, policy, cfg) -> dict:
         metrics["full_cache_bytes"] = full_cache_bytes(model, stats["tokens"], stats["batch"])
         metrics["cache_ratio"] = metrics["cache_bytes"] / metrics["full_cache_bytes"]
     info = out.get("config", {}).get("kvcompress") or lm.get_model_info()["kvcompress"]
+    kept = ("effective_compression_ratio", "effective_ratio_per_layer", "effective_ratio_per_head")
     metrics.update(
-        {k: info[k] for k in ("tokens_evicted", "read_ratio", "compressed", "warning") if k in info}
+        {k: info[k] for k in ("tokens_evicted", "read_ratio", "compressed", "warning", *kept) if k in info}
     )
     metrics["question_in_prompt"] = lm.question_in_prompt
     metrics["cases"] = cases(out)

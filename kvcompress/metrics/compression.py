@@ -81,21 +81,37 @@ def compression_check(
     return result
 
 
-def effective_ratios(stats: list[dict]) -> dict:
-    """The compression a cache really reached, from its ``stats()``: ``effective_compression_ratio`` (tokens
-    removed over tokens seen, all layers and KV heads), ``effective_ratio_per_layer`` and, per layer, each KV
-    head's ``effective_ratio_per_head`` (from ``tokens_per_head``: a threshold or head-adaptive budgets give
-    heads their own counts; one entry for a layer that reports none). Row 0 of a batch."""
-    per_layer, per_head, seen_all, kept_all = [], [], 0, 0.0
-    for s in stats:
-        seen = int(s.get("tokens_seen", 0))
-        heads = s.get("tokens_per_head") or [s.get("tokens_stored", seen)]
-        kept = sum(heads) / len(heads)
-        per_layer.append(round(1.0 - kept / seen, 6) if seen else 0.0)
-        per_head.append([round(1.0 - n / seen, 6) if seen else 0.0 for n in heads])
-        seen_all, kept_all = seen_all + seen, kept_all + kept
+def kept_counts(stats: list[dict]) -> tuple[list[int], list[list[int]]]:
+    """Per layer of ``cache.stats()``: tokens seen, and tokens stored in each KV head (``tokens_per_head``:
+    a threshold or head-adaptive budgets give heads their own counts; one entry for a layer that reports
+    none). Row 0 of a batch."""
+    seen = [int(s.get("tokens_seen", 0)) for s in stats]
+    kept = [
+        list(s.get("tokens_per_head") or [s.get("tokens_stored", n)])
+        for s, n in zip(stats, seen, strict=True)
+    ]
+    return seen, kept
+
+
+def ratios_of(seen: list[int], kept: list[list[float]]) -> dict:
+    """``effective_compression_ratio`` (tokens removed over tokens seen, all layers and KV heads),
+    ``effective_ratio_per_layer`` and, per layer, ``effective_ratio_per_head``, from ``kept_counts`` (or
+    their sums over requests)."""
+
+    def ratio(k: float, n: float) -> float:
+        return round(1.0 - k / n, 6) if n else 0.0
+
+    means = [sum(heads) / len(heads) for heads in kept]
     return {
-        "effective_compression_ratio": round(1.0 - kept_all / seen_all, 6) if seen_all else 0.0,
-        "effective_ratio_per_layer": per_layer,
-        "effective_ratio_per_head": per_head,
+        "effective_compression_ratio": ratio(sum(means), sum(seen)),
+        "effective_ratio_per_layer": [ratio(k, n) for k, n in zip(means, seen, strict=True)],
+        "effective_ratio_per_head": [
+            [ratio(k, n) for k in heads] for heads, n in zip(kept, seen, strict=True)
+        ],
     }
+
+
+def effective_ratios(stats: list[dict]) -> dict:
+    """The compression a cache really reached, from its ``stats()`` (``ratios_of`` its ``kept_counts``):
+    what a ``threshold`` leaves, and what a ratio leaves once decode tokens are appended."""
+    return ratios_of(*kept_counts(stats))

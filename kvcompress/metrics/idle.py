@@ -9,7 +9,7 @@ is kept, a budget that covers the text.
 from __future__ import annotations
 
 from kvcompress.metrics.acted import storage_cause, storage_check, storage_use, window_check
-from kvcompress.metrics.compression import compression_check, read_ratio, tokens_evicted
+from kvcompress.metrics.compression import compression_check, effective_ratios, read_ratio, tokens_evicted
 from kvcompress.metrics.memory import fixed_bytes
 from kvcompress.metrics.reference import full_cache_bytes
 from kvcompress.runtime.context_pass import needs_context_pass
@@ -56,6 +56,7 @@ def policy_acted(model, cache, tokens: int, cause: str, prefill=None, chunk=None
     ``prefill`` and ``chunk``: how the tokens were fed (``full_cache_bytes``), so ``full`` reads 1.000."""
     held, full = cache.memory_bytes(), full_cache_bytes(model, tokens, prefill=prefill, chunk=chunk)
     out = {"cache_bytes": held, "full_cache_bytes": full, "cache_ratio": held / full}
+    out |= effective_ratios(cache.stats())
     per_token = held - fixed_bytes(cache)  # a low-rank basis is per model, not per token
     out |= compression_check(
         cache.policy.name, tokens_evicted(cache), per_token, full, cause, read_ratio(cache)

@@ -9,7 +9,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from kvcompress.harness.tasks.batched import run_cases
-from kvcompress.metrics.compression import flag_uncompressed
+from kvcompress.metrics.compression import flag_uncompressed, ratios_of
 from kvcompress.metrics.stats import interval_fields, wilson
 
 
@@ -68,6 +68,7 @@ def compression_summary(policy_name: str, cases: list[dict]) -> dict:
     for name in ("cache_bytes", "cache_ratio", "read_ratio"):  # means over the cases that have them
         values = [c[name] for c in cases if c.get(name) is not None]
         summary[name] = sum(values) / len(values) if values else None
+    summary |= mean_ratios(cases)
     summary |= storage_summary(cases)
     if missed:
         lengths = sorted({c["length"] for c in missed})
@@ -78,6 +79,19 @@ def compression_summary(policy_name: str, cases: list[dict]) -> dict:
         )
         summary |= flag_uncompressed(policy_name, what, hint)
     return summary
+
+
+def mean_ratios(cases: list[dict]) -> dict:
+    """The cases' effective compression ratios (``retrieval.cache_fields``) averaged: overall, per layer and
+    per (layer, KV head); {} when the cases carry none."""
+    used = [c for c in cases if "effective_ratio_per_head" in c]
+    if not used:
+        return {}
+    heads = [c["effective_ratio_per_head"] for c in used]  # per case, per layer, per head
+    kept = [
+        [sum(1.0 - r[i][h] for r in heads) for h in range(len(layer))] for i, layer in enumerate(heads[0])
+    ]
+    return ratios_of([len(used)] * len(kept), kept)
 
 
 def storage_summary(cases: list[dict]) -> dict:

@@ -18,6 +18,7 @@ from kvcompress.core.cache import build_cache
 from kvcompress.metrics.acted import storage_use
 from kvcompress.metrics.compression import (
     attention_backends,
+    effective_ratios,
     full_cache_bytes,
     is_compressed,
     read_ratio,
@@ -152,6 +153,7 @@ def cache_fields(model, policy, cache, rows: int = 1, prefill: int | None = None
         "tokens_evicted": evicted,
         "compressed": is_compressed(evicted, cache.memory_bytes(), full, read),
         "attention_backends": attention_backends(cache),
+        **effective_ratios(stats),
         **storage_use(stats),
         **tiers,
     }
