@@ -1,11 +1,12 @@
-"""KVzap's learned scorer on the embedded default: its fit (held-out documents) and its prefill cost.
+"""KVzap's surrogates on the embedded default: their fit (held-out documents) and their prefill cost.
 
-1. Fits the scorer as ``policy=kvzap`` does at its defaults (or loads it: a fitted scorer is saved beside the
-   low-rank calibrations) and records the held-out fit: R^2 of the log KVzip score, Spearman's rho, and the
-   share of KVzip's kept set the predicted ranking keeps at compression ratios 0.75 and 0.9.
+1. Trains both surrogates as ``policy=kvzap`` does at its defaults (or loads them: the artifact is saved
+   beside the low-rank calibrations) and records the held-out fit of each (linear, mlp): R^2 of the log
+   KVzip+ score and Pearson's r, per layer and their mean, and the share of the true KVzip+ ranking's kept
+   set that the predicted ranking keeps at compression ratios 0.75 and 0.9.
 2. Times the prefill of one essay slice, ``--rounds`` rounds interleaved over: ``full`` (a plain prefill),
-   ``kvzap`` at 0.75 (the prefill, scoring and eviction inside it) and ``kvzip`` at 0.75 (the prefill and
-   its context pass, ``prefill``). Medians with their interquartile range, and each against ``full``.
+   ``kvzap`` (mlp) at 0.75 (the prefill, scoring and eviction inside it) and ``kvzip`` at 0.75 (the prefill
+   and its context pass, ``prefill``). Medians with their interquartile range, and each against ``full``.
 
 Record: ``experiments/kvzap/runs/main.json`` (atomic). One thread:
 
@@ -51,7 +52,7 @@ def main() -> None:
     model, tok = load_model()
     build_cache("kvzap", model)  # fits the scorer, or loads it
     found = next(iter(kvzap_fit._MEMO.values()))
-    fit = {k: v for k, v in found.items() if k not in ("weights", "ident")}
+    fit = {k: v for k, v in found.items() if k not in ("linear", "mlp", "ident")}
     ids = tok(load_text(), return_tensors="pt").input_ids[:, : args.tokens]
     times = {name: [] for name in POLICIES}
     for name in POLICIES:  # warm-up
@@ -64,9 +65,12 @@ def main() -> None:
             for name, t in times.items()}  # fmt: skip
     record = {"args": vars(args), "fit": fit, "prefill": cost, "environment": environment()}
     write_json_atomic(HERE / "runs" / "main.json", record)
-    print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in fit["fit"].items()})
-    print(f"fit: {fit['documents'] - fit['holdout']} documents of {fit['tokens']} tokens, "
-          f"{fit['holdout']} held out, {fit['seconds']:.0f} s ({fit['source']})")  # fmt: skip
+    for kind, got in fit["fit"].items():
+        print(kind, {k: round(v, 4) for k, v in got.items() if isinstance(v, float)})
+    print(
+        f"fit: {fit['train_pairs']} pairs from {fit['documents'] - fit['holdout']} documents of "
+        f"{fit['tokens']} tokens, {fit['holdout']} held out, {fit['seconds']} s ({fit['source']})"
+    )
     for name, c in cost.items():
         spread = f"IQR {c['q1']:.3f}-{c['q3']:.3f}"
         print(f"{name}: prefill {c['median']:.3f} s ({spread}), {c['vs_full']:.2f}x full")

@@ -55,10 +55,16 @@ class KVzapLayer(EvictionLayer):
         k = self.target()
         if (query.shape[2] == 1 and self.policy.evicts != "always") or self.stored_length() <= k:
             return
-        scores = self.zscore.clone()
-        if self.valid is not None:
-            scores.masked_fill_(~self.valid, -torch.inf)
-        self.select(scores, k, protect=min(self.policy.window, k))
+        self.select(self.priority(), k, protect=min(self.policy.window, k))
+
+    def priority(self) -> torch.Tensor:
+        """The stored scores (B, H_kv, T) float64, padding at -inf and exact ties going to the newer token:
+        equal hidden states (a repeated token at the first layer) score equally, and ``topk`` alone would
+        break the tie by storage slot, which left padding shifts. The nudge is below half a float32 step."""
+        scores = self.zscore.double()
+        order = torch.arange(scores.shape[-1], device=scores.device, dtype=torch.float64) / scores.shape[-1]
+        scores = scores + order * scores.abs() * 2.0**-26
+        return scores if self.valid is None else scores.masked_fill(~self.valid, -torch.inf)
 
 
 @dataclass

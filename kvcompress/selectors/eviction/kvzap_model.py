@@ -58,29 +58,34 @@ def fit_mlp(x: torch.Tensor, y: torch.Tensor, seed: int = 0, **overrides) -> dic
     ``overrides`` change ``MLP``'s settings (tests train a small one)."""
     cfg = {**MLP, **overrides}
     gen = torch.Generator().manual_seed(seed)
-    (n_layers, n, f), h_kv, hid = x.shape, y.shape[-1], cfg["hidden"]
-    params = {
-        "w1": _uniform(gen, (n_layers, f, hid), f),
-        "b1": _uniform(gen, (n_layers, hid), f),
-        "w2": _uniform(gen, (n_layers, hid, h_kv), hid),
-        "b2": _uniform(gen, (n_layers, h_kv), hid),
-    }
+    (n_layers, _, f), h_kv, hid = x.shape, y.shape[-1], cfg["hidden"]
+    with torch.inference_mode(False), torch.enable_grad():  # build_cache may run under inference mode
+        params = {
+            "w1": _uniform(gen, (n_layers, f, hid), f),
+            "b1": _uniform(gen, (n_layers, hid), f),
+            "w2": _uniform(gen, (n_layers, hid, h_kv), hid),
+            "b2": _uniform(gen, (n_layers, h_kv), hid),
+        }
+        _train(x.float().clone(), y.float().clone(), params, cfg, gen)
+    return {"kind": "mlp", **{k: v.detach() for k, v in params.items()}}
+
+
+def _train(x: torch.Tensor, y: torch.Tensor, params: dict, cfg: dict, gen) -> None:
+    """AdamW over ``params`` (stacked over layers, in place), mean squared error of every layer and head."""
+    n = x.shape[1]
     tensors = [p.requires_grad_() for p in params.values()]
     steps = math.ceil(n / cfg["batch"])
     opt = torch.optim.AdamW(tensors, lr=cfg["lr"])
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg["epochs"])
-    x, y = x.float(), y.float()
-    with torch.enable_grad():
-        for _ in range(cfg["epochs"]):
-            order = torch.randperm(n, generator=gen)
-            for s in range(steps):
-                idx = order[s * cfg["batch"] : (s + 1) * cfg["batch"]]
-                hidden = F.gelu(torch.baddbmm(params["b1"][:, None], x[:, idx], params["w1"]))
-                out = torch.baddbmm(params["b2"][:, None], hidden, params["w2"])  # (L, b, H_kv)
-                loss = F.mse_loss(out, y[:, idx])
-                opt.zero_grad()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(tensors, cfg["clip"])
-                opt.step()
-            sched.step()
-    return {"kind": "mlp", **{k: v.detach() for k, v in params.items()}}
+    for _ in range(cfg["epochs"]):
+        order = torch.randperm(n, generator=gen)
+        for s in range(steps):
+            idx = order[s * cfg["batch"] : (s + 1) * cfg["batch"]]
+            hidden = F.gelu(torch.baddbmm(params["b1"][:, None], x[:, idx], params["w1"]))
+            out = torch.baddbmm(params["b2"][:, None], hidden, params["w2"])  # (L, b, H_kv)
+            loss = F.mse_loss(out, y[:, idx])
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(tensors, cfg["clip"])
+            opt.step()
+        sched.step()
