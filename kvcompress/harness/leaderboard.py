@@ -41,6 +41,8 @@ class Point:
     run: str = ""
     docs: dict[tuple[str, int], str] = field(default_factory=dict)  # (task, index) -> document hash
     compressed: bool = True  # the record's verdict: False where the policy never acted (flagged)
+    effective: float | None = None  # tokens removed over tokens seen (records before issue 59: None)
+    evict_at: str | None = None  # when the selector evicted (prefill / always), where its config says
 
 
 def point_name(run_dir: str) -> str | None:
@@ -77,7 +79,10 @@ def from_record(record: dict, name: str | None = None) -> Point | None:
     mode = bool(record["config"]["task"].get("question_in_prompt", True))
     run = Path(record["run_dir"]).name
     compressed = metrics.get("compressed") is not False
-    return Point(name, method_of(name), mode, float(metrics["cache_ratio"]), scores, run, docs, compressed)
+    policy = record["config"].get("policy") or {}
+    when = policy.get("evict_at") or (policy.get("policy") or {}).get("evict_at")  # pyramidkv: its inner's
+    return Point(name, method_of(name), mode, float(metrics["cache_ratio"]), scores, run, docs, compressed,
+                 metrics.get("effective_compression_ratio"), when)  # fmt: skip
 
 
 def shared_samples(point: Point, full: Point) -> list[tuple[str, int]]:
@@ -133,7 +138,8 @@ def row(point: Point, full: Point | None) -> dict:
     mean, low, high = bootstrap(np.array([point.scores[k] for k in keys]), keys)
     out = {"method": point.method, "point": point.name, "mode": MODES[point.question_in_prompt],
            "samples": len(keys), "bytes": point.cache_ratio, "score": mean, "score_low": low,
-           "score_high": high, "compressed": point.compressed}  # fmt: skip
+           "score_high": high, "compressed": point.compressed, "effective": point.effective,
+           "evict_at": point.evict_at}  # fmt: skip
     shared = shared_samples(point, full) if full is not None and full is not point else []
     if shared:
         diff = np.array([point.scores[k] - full.scores[k] for k in shared])
@@ -162,10 +168,16 @@ def cell(value: float, low: float, high: float, signed: bool = False) -> str:
     return f"{fmt.format(value)} [{fmt.format(low)}, {fmt.format(high)}]"
 
 
+def removed(r: dict) -> str:
+    """The effective compression ratio a point reached and when it evicted; blank for older records."""
+    effective = "" if r.get("effective") is None else f"{r['effective']:.3f}"
+    return ", ".join(x for x in (effective, r.get("evict_at") or "") if x)
+
+
 def markdown(table_rows: list[dict]) -> str:
     """The leaderboard table: score and difference from ``full`` with 95% bootstrap intervals."""
     head = ("| mode | method | point | samples | bytes held / full | score [95%] | vs full, paired [95%] "
-            "| verdict |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+            "| verdict | tokens removed (effective), evicts |\n" + "|---" * 9 + "|")  # fmt: skip
     lines = [head]
     for r in table_rows:
         if "diff" in r:
@@ -177,7 +189,7 @@ def markdown(table_rows: list[dict]) -> str:
             verdict = f"**did not compress** ({verdict})"
         lines.append(
             f"| {r['mode']} | {r['method']} | `{r['point']}` | {r['samples']} | {r['bytes']:.3f} | "
-            f"{cell(r['score'], r['score_low'], r['score_high'])} | {versus} | {verdict} |"
+            f"{cell(r['score'], r['score_low'], r['score_high'])} | {versus} | {verdict} | {removed(r)} |"
         )
     return "\n".join(lines)
 

@@ -108,3 +108,22 @@ def test_committed_leaderboard_figure_matches_the_committed_records():
     assert lb.figure_digest(md.parent / out) == lb.digest(lb.rows(points)), (
         "run `make leaderboard` and commit"
     )
+
+
+def test_the_table_says_what_each_point_really_removed_and_when_it_evicted(tmp_path):
+    """The effective compression ratio and ``evict_at`` from the record (pyramidkv: its inner policy's); a
+    record written before they existed leaves the cell blank."""
+    full = _scores([1.0] * 4, [1.0] * 4)
+    _write(tmp_path, "full", full, 1.0)
+    for point, policy in (("snapkv_r875", {"evict_at": "prefill"}),
+                          ("pyramidkv_r875", {"policy": {"evict_at": "prefill"}})):  # fmt: skip
+        path = tmp_path / lb.RUNS / f"point={point},task.question_in_prompt=True" / "results.json"
+        _write(tmp_path, point, full, 0.2)
+        record = {"status": "ok", "config": {"task": {"question_in_prompt": True}, "policy": policy},
+                  "metrics": {"cache_ratio": 0.2, "effective_compression_ratio": 0.84321,
+                              "cases": [{"task": t, "index": i, "doc": f"d{t}{i}", "score": s}
+                                        for (t, i), s in full.items()]}}  # fmt: skip
+        write_json_atomic(path, record)
+    table = lb.markdown(lb.rows(lb.load(tmp_path)))
+    assert table.count("| 0.843, prefill |") == 2
+    assert [line for line in table.splitlines() if "`full`" in line][0].endswith("| reference |  |")
