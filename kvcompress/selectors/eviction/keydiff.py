@@ -63,7 +63,10 @@ class KeyDiffPolicy(EvictionPolicy):
     layer_class = KeyDiffLayer
     FORMULA = True  # the inherited kept_tokens()/state_bytes() describe it exactly
     TEST_PARAMS = {"budget": 12, "compression_ratio": None}  # makes a 48-token test compress
-    MEMORY_VARIANTS = [{"budget": None, "compression_ratio": 0.25}, {"budget": 10, "evict_at": "prefill"}]
+    MEMORY_VARIANTS = [
+        {"budget": None, "compression_ratio": 0.25},
+        {"budget": 10, "compression_ratio": None, "evict_at": "prefill"},
+    ]
     FUZZ = [{**alt, "evict_at": list(EVICT_AT)} for alt in EvictionPolicy.FUZZ]
 
     evict_at: str = Choice("always", EVICT_AT)

@@ -42,7 +42,10 @@ class TOVAPolicy(EvictionPolicy):
     adaptive_decode = True  # scored by the decode query alone: pairs can compete across heads at each step
     FORMULA = True  # the memory formulas below are this class's own
     TEST_PARAMS = {"budget": 12, "compression_ratio": None}
-    MEMORY_VARIANTS = [{"budget": None, "compression_ratio": 0.25}, {"budget": 10, "evict_at": "prefill"}]
+    MEMORY_VARIANTS = [
+        {"budget": None, "compression_ratio": 0.25},
+        {"budget": 10, "compression_ratio": None, "evict_at": "prefill"},
+    ]
     FUZZ = [{**alt, "evict_at": list(EVICT_AT)} for alt in EvictionPolicy.FUZZ]
 
     evict_at: str = Choice("always", EVICT_AT)
