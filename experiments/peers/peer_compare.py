@@ -19,21 +19,34 @@ def peers_python() -> Path | None:
     return PEERS_PYTHON if PEERS_PYTHON.is_file() else None
 
 
-def run_kvpress(model_dir, prompts, methods, ratio: float, max_new: int, python=None) -> dict:
-    """kvpress's kept sets and answers (``kvpress_side.py`` in the peers venv, one process)."""
+def start_kvpress(model_dir, prompts, methods, ratio: float, max_new: int, python=None):
+    """Start kvpress's side (``kvpress_side.py``, the peers venv) in its own process; ``finish`` reads it."""
     job = {
         "model": str(model_dir), "prompts": prompts, "methods": list(methods),
         "compression_ratio": ratio, "max_new_tokens": max_new,
     }  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
-        job_path.write_text(json.dumps(job))
-        env = {**os.environ, "PYTHONPATH": "", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        cmd = [str(python or PEERS_PYTHON), str(HERE / "kvpress_side.py"), str(job_path), str(out_path)]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"kvpress side failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    tmp = tempfile.TemporaryDirectory()
+    job_path, out_path = Path(tmp.name) / "job.json", Path(tmp.name) / "out.json"
+    job_path.write_text(json.dumps(job))
+    env = {**os.environ, "PYTHONPATH": "", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    cmd = [str(python or PEERS_PYTHON), str(HERE / "kvpress_side.py"), str(job_path), str(out_path)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, tmp, out_path
+
+
+def finish(started) -> dict:
+    """kvpress's kept sets and answers from a ``start_kvpress`` process (waits for it)."""
+    proc, tmp, out_path = started
+    with tmp:
+        _, err = proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(f"kvpress side failed ({proc.returncode}):\n{err[-4000:]}")
         return json.loads(out_path.read_text())
+
+
+def run_kvpress(model_dir, prompts, methods, ratio: float, max_new: int, python=None) -> dict:
+    """kvpress's kept sets and answers (``start_kvpress`` then ``finish``)."""
+    return finish(start_kvpress(model_dir, prompts, methods, ratio, max_new, python))
 
 
 def jaccard(a, b) -> float:

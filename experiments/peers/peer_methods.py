@@ -24,14 +24,14 @@ METHODS = {
     },
     "tova": {
         "press": {"name": "TOVAPress"},
-        "ours": {"name": "tova"},
+        "ours": {"name": "tova", "evict_at": "prefill"},
         "expect": "newest",
         "note": "kvpress always keeps the prompt's last token (its own 'very slight difference from TOVA'); "
         "TOVA's paper protects none, so a head may keep another token in its place",
     },
     "knorm": {
         "press": {"name": "KnormPress"},
-        "ours": {"name": "knorm", "recent": 0},
+        "ours": {"name": "knorm", "recent": 0, "evict_at": "prefill"},
         "expect": 1.0,
         "note": "ours is the example plugin (tests/plugins: knorm), with recent=0 as kvpress",
     },
@@ -41,7 +41,12 @@ METHODS = {
         "expect": 1.0,
         "note": "ours holds a fixed window; it is sized per prompt to kvpress's int(T(1-r)) - 4",
     },
-    "keydiff": {"press": {"name": "KeyDiffPress"}, "ours": {"name": "keydiff"}, "expect": 1.0, "note": ""},
+    "keydiff": {
+        "press": {"name": "KeyDiffPress"},
+        "ours": {"name": "keydiff", "evict_at": "prefill"},
+        "expect": 1.0,
+        "note": "kvpress compresses at the prefill only: evict_at=prefill (KeyDiff's default is always)",
+    },
     "expected_attention": {
         "press": {"name": "ExpectedAttentionPress", "n_future_positions": 512, "n_sink": 4},
         "ours": {"name": "expected_attention", "future_positions": 512, "sink_tokens": 4},

@@ -18,7 +18,7 @@ import torch
 from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_compare import compare, run_kvpress  # noqa: E402
+from peer_compare import compare, finish, start_kvpress  # noqa: E402
 from peer_methods import KVPRESS_VERSION, METHODS  # noqa: E402
 from peer_ours import run_ours  # noqa: E402
 
@@ -62,10 +62,13 @@ def main() -> None:
     prompts, expected = needle_prompts(tok, args.prompts, args.length)
     methods = args.methods.split(",")
     start = time.perf_counter()
-    theirs = run_kvpress(folder, prompts, methods, args.ratio, args.max_new_tokens)
-    kvpress_s, start = time.perf_counter() - start, time.perf_counter()
+    started = start_kvpress(
+        folder, prompts, methods, args.ratio, args.max_new_tokens
+    )  # in parallel with ours
     ours = run_ours(model, tok, methods, prompts, args.ratio, args.max_new_tokens)
     ours_s = time.perf_counter() - start
+    theirs = finish(started)
+    kvpress_s = time.perf_counter() - start
     summary = compare(ours, theirs["methods"])
     decode = lambda ids: ids if isinstance(ids, str) else tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     for name in methods:
