@@ -37,3 +37,5 @@ def test_peers_block_renders_one_row_per_method(tmp_path):
 
 def test_peers_block_is_dropped_without_its_record(tmp_path):
     assert peers_block(["gone.json"], {}, tmp_path, tmp_path / "methods.md") is None
+    kept = peers_block(["gone.json", "pending"], {}, tmp_path, tmp_path / "methods.md")
+    assert "No peer record yet at `gone.json`" in kept
