@@ -60,7 +60,7 @@ def test_bad_prefix_tokens_name_the_allowed_range(llama, tokens, bad):
 
 
 def test_snapkv_compresses_a_prefix_and_is_flagged_under_one_token_streaming(llama, char_tokenizer, tmp_path):
-    snap = SnapKVPolicy.TEST_PARAMS | {"slack": None}
+    snap = SnapKVPolicy.TEST_PARAMS | {"slack": None, "evict_at": "prefill"}
     prefix, _ = _run_task(llama, char_tokenizer, _ppl_cfg(tmp_path, prefix_tokens=32), "snapkv", **snap)
     assert prefix["tokens_evicted"] > 0 and prefix["compressed"] is True and "warning" not in prefix
     assert prefix["tokens_scored"] == 48 - 32 - 1 and prefix["prefix_tokens"] == 32
