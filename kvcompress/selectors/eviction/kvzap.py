@@ -7,7 +7,10 @@ hidden state of each new token to a log-score per KV head; the last ``window`` t
 others compete by score. KVzip's context pass (Kim et al., arXiv 2505.23416) is replaced by the surrogate, so
 compression costs one small map per token. The surrogates are trained by the toolkit on the model the first
 time it is used (``kvzap_fit``: KVzip+ targets on a text's tail, held-out fit recorded), saved and loaded.
-The paper prunes by a score threshold; here the budget is a ratio (or a fixed count) as for every scorer.
+The paper prunes by a score threshold (``threshold=``, a log-score: kvpress's example uses -4), evaluated at
+prefill (``evict_at: prefill``, DMSPress's default) or also while decoding (``evict_at: always``, with a ratio
+or budget only: a threshold evicts at prefill only here, batch 1); a ratio or a fixed count works as for
+every scorer.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ class KVzapLayer(EvictionLayer):
 
     def observe_attention(self, query, key, scaling: float, probs=None) -> None:
         k = self.target()
-        if (query.shape[2] == 1 and self.policy.evicts != "always") or self.stored_length() <= k:
+        if self.stored_length() <= k:  # (a decode step reaches here only with evict_at: always)
             return
         self.select(self.priority(), k, protect=min(self.policy.window, k))
 
@@ -73,7 +76,9 @@ class KVzapPolicy(EvictionPolicy):
     ``1 - compression_ratio`` of the tokens seen), those whose predicted KVzip+ score is highest.
 
     Args:
-        budget / compression_ratio: see ``EvictionPolicy`` (enforced after each multi-token step).
+        budget / compression_ratio / threshold: see ``EvictionPolicy``; the threshold is on the predicted
+            log-score.
+        evict_at: prefill (DMSPress's default: steps of several tokens) or always (decode steps too).
         model_type: the surrogate, ``mlp`` (the paper's default: hidden -> 512 -> GELU -> KV heads) or
             ``linear`` (ridge regression).
         window: last tokens always kept (DMSPress's ``sliding_window_size``).
@@ -85,7 +90,7 @@ class KVzapPolicy(EvictionPolicy):
     """
 
     layer_class = KVzapLayer
-    evict_at: str = Choice("prefill", EVICT_AT)  # the prompt; always: decode steps too (DMS-style)
+    evict_at: str = Choice("prefill", EVICT_AT)  # DMSPress's default (decoding=False); always: decode too
     FORMULA = True  # the memory formulas below are this class's own
     MAX_MEMORY_RATIO = 1.07  # a float32 score per token and head: 6.25% of K+V at D=16
     TEST_PARAMS = {"budget": 12, "compression_ratio": None, "window": 3, **_SMALL_FIT}
@@ -118,10 +123,6 @@ class KVzapPolicy(EvictionPolicy):
                                  min(self.fit_sample, self.fit_tokens), self.fit_dir)  # fmt: skip
         self.surrogate = found[self.model_type]  # not a field: what the fit found
         self.fit = {"path": found["path"], **found["fit"][self.model_type]}
-
-    def kept_tokens(self, s: Shape) -> int:
-        """The prompt cut to ``min(n, keep_count(n))`` at the prefill; decode tokens appended."""
-        return min(s.prefill, self.keep_count(s.prefill)) + s.decode
 
     def state_bytes(self, s: Shape, kept: int) -> int:
         """One float32 predicted score per kept token and KV head."""

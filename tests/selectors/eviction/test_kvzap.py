@@ -146,3 +146,36 @@ def test_a_holdout_that_leaves_nothing_to_fit_on_and_an_unknown_model_type_are_r
         KVzapPolicy(fit_documents=3, fit_holdout=3)
     with pytest.raises(ValueError, match="model_type"):
         KVzapPolicy(model_type="tree")
+
+
+def test_a_threshold_keeps_per_head_the_pairs_predicted_at_least_it_plus_the_window():
+    model = make_tiny("llama")
+    ids = torch.randint(2, 90, (1, 40), generator=torch.Generator().manual_seed(6))
+    inputs = {}
+    hooks = [layer.self_attn.register_forward_pre_hook(
+        lambda m, a, k: inputs.__setitem__(m.layer_idx, k["hidden_states"]), with_kwargs=True)
+        for layer in model.model.layers]  # fmt: skip
+    stream_logits(model, ids, build_cache("full", model), chunk=40)
+    for hook in hooks:
+        hook.remove()
+    cache = build_cache("kvzap", model, threshold=-7.5, compression_ratio=None, window=4, **FIT)
+    stream_logits(model, ids, cache, chunk=40)
+    counts = []
+    for i, layer in enumerate(cache.layers):
+        pred = kvzap_model.predict(cache.policy.surrogate, i, inputs[i])[0]  # (H_kv, 40)
+        keep = pred >= -7.5
+        keep[:, -4:] = True  # the window
+        assert layer.stats()["tokens_per_head"] == keep.sum(-1).tolist()
+        counts += keep.sum(-1).tolist()
+    assert len(set(counts)) > 1  # heads keep their own counts
+
+
+def test_evict_at_always_keeps_the_ratio_at_every_decode_step():
+    model = make_tiny("llama")
+    ids = torch.randint(2, 90, (1, 40), generator=torch.Generator().manual_seed(7))
+    cache = build_cache("kvzap", model, compression_ratio=0.5, window=4, evict_at="always", **FIT)
+    stream_logits(model, ids[:, :30], cache, chunk=30)
+    assert [layer.stored_length() for layer in cache.layers] == [15] * 3
+    for t in range(30, 40):
+        stream_logits(model, ids[:, t : t + 1], cache, chunk=1)
+        assert [layer.stored_length() for layer in cache.layers] == [(t + 1) // 2] * 3
