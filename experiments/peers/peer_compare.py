@@ -30,16 +30,18 @@ def start_kvpress(model_dir, prompts, methods, ratio: float, max_new: int, pytho
     job_path.write_text(json.dumps(job))
     env = {**os.environ, "PYTHONPATH": "", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     cmd = [str(python or PEERS_PYTHON), str(HERE / "kvpress_side.py"), str(job_path), str(out_path)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return proc, tmp, out_path
+    log = (Path(tmp.name) / "stderr.log").open("w")  # a file, not a pipe: progress bars would fill a pipe
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return proc, tmp, out_path, log
 
 
 def finish(started) -> dict:
     """kvpress's kept sets and answers from a ``start_kvpress`` process (waits for it)."""
-    proc, tmp, out_path = started
-    with tmp:
-        _, err = proc.communicate()
+    proc, tmp, out_path, log = started
+    with tmp, log:
+        proc.wait()
         if proc.returncode != 0:
+            err = (Path(tmp.name) / "stderr.log").read_text()
             raise RuntimeError(f"kvpress side failed ({proc.returncode}):\n{err[-4000:]}")
         return json.loads(out_path.read_text())
 
