@@ -168,6 +168,12 @@ def test_a_threshold_keeps_per_head_the_pairs_predicted_at_least_it_plus_the_win
         assert layer.stats()["tokens_per_head"] == keep.sum(-1).tolist()
         counts += keep.sum(-1).tolist()
     assert len(set(counts)) > 1  # heads keep their own counts
+    more = torch.randint(2, 90, (1, 3), generator=torch.Generator().manual_seed(8))
+    stream_logits(model, more, cache, chunk=1)  # decode steps over the flat pairs: each scored, none evicted
+    for layer, n in zip(
+        cache.layers, [sum(counts[i : i + 2]) for i in range(0, len(counts), 2)], strict=True
+    ):
+        assert layer.store.length == n + 3 * 2 and layer.zscore.shape == (1, 1, n + 3 * 2)
 
 
 def test_evict_at_always_keeps_the_ratio_at_every_decode_step():
