@@ -18,7 +18,7 @@ HALF=(snapkv_r50 kvzip_r50 expected_attention_r50 h2o_r50 tova_r50 pyramidkv_r50
 NINETY=(${NINETY:-kvzip_r90 tova_r90 snapkv_r90 block_evict_r90 keydiff_r90 rkv_r90 kvzap_r90 duo_r90})
 for p in "${HEADLINE[@]}"; do $K point="$p"; done
 VARIANTS=(expected_attention_r50_mean)  # expected_attention without its covariance term (README)
-# the high-compression end (issue 59): 87.5% and 93.75% removed, each record with its effective ratio
+# the high-compression end: 87.5% and 93.75% removed, each record with its effective ratio
 HIGH=(${HIGH:-snapkv_r875 kvzip_r875 expected_attention_r875 keydiff_r875 tova_r875
   snapkv_r9375 kvzip_r9375 expected_attention_r9375 keydiff_r9375 tova_r9375})
 for p in "${HALF[@]}" "${NINETY[@]}" "${VARIANTS[@]}" "${HIGH[@]}"; do $K point="$p" task.limit=10; done

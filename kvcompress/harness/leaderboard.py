@@ -41,7 +41,7 @@ class Point:
     run: str = ""
     docs: dict[tuple[str, int], str] = field(default_factory=dict)  # (task, index) -> document hash
     compressed: bool = True  # the record's verdict: False where the policy never acted (flagged)
-    effective: float | None = None  # tokens removed over tokens seen (records before issue 59: None)
+    effective: float | None = None  # tokens removed over tokens seen (older records carry none: None)
     evict_at: str | None = None  # when the selector evicted (prefill / always), where its config says
 
 

@@ -184,8 +184,9 @@ class EvictionLayer(PolicyLayer):
         if self.policy.budget is not None or self.row_padding is None:
             return None
         real = (self.seen - self.row_padding).double()
-        if self.policy.keep_rule is not None:  # a prefill's rows, each sized by the rule on its own length
-            own = torch.tensor([self.policy.keep_rule(int(n)) for n in real.tolist()], device=real.device)
+        rule = getattr(self.policy, "keep_rule", None)  # block_evict's policy is no EvictionPolicy
+        if rule is not None:  # a prefill's rows, each sized by the rule on its own length
+            own = torch.tensor([rule(int(n)) for n in real.tolist()], device=real.device)
             return own.clamp(min=1, max=k).view(-1, 1, 1)
         own = (real * (1.0 - self.policy.compression_ratio) + 1e-9).floor().long().clamp(min=1, max=k)
         return own.view(-1, 1, 1)
