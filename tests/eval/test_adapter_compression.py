@@ -56,12 +56,20 @@ def test_full_is_never_flagged_and_quant_counts_by_bytes(tiny_checkpoint):
     full._model_call(IDS)
     result, warned = _compression(full)
     assert set(result.pop("attention_backends")) == {"sdpa"}  # full reads dense key/value through SDPA
+    assert _removed(result) == 0.0  # nothing removed, overall, per layer and per (layer, KV head)
     assert result == {"tokens_evicted": 0, "read_ratio": 1.0, "compressed": False} and warned == []
     quant = _lm(tiny_checkpoint, policy="quant", bits=4, group_size=4, recent=8, chunk_size=1)
     quant._model_call(IDS)
     result, warned = _compression(quant)
     assert result.pop("attention_backends")  # which backends ran: the quant kernel where it builds
+    assert _removed(result) == 0.0  # quant removes no token: it compresses by bytes
     assert result == {"tokens_evicted": 0, "read_ratio": 1.0, "compressed": True} and warned == []
+
+
+def _removed(result: dict) -> float:
+    """The largest effective compression ratio of a result (overall, per layer, per head), popped from it."""
+    layers, heads = result.pop("effective_ratio_per_layer"), result.pop("effective_ratio_per_head")
+    return max(result.pop("effective_compression_ratio"), *layers, *(r for h in heads for r in h))
 
 
 def test_quest_log_likelihoods_are_compressed_by_what_they_read(tiny_checkpoint):

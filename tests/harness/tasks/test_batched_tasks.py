@@ -11,9 +11,11 @@ from kvcompress import make_policy
 from kvcompress.harness.tasks import multi_niah, niah
 from kvcompress.harness.tasks.batched import batches
 
-# what a batch's slots change: padding slots are stored, read and counted
+# what a batch's slots change: padding slots are stored, read and counted (the effective ratios too: tokens
+# removed over tokens seen, padding slots included)
 CACHE_FIELDS = ("tokens_stored_mean", "cache_bytes", "cache_ratio", "read_ratio", "tokens_evicted",
-                "compressed", "batch_rows", "attention_backends")  # fmt: skip
+                "compressed", "batch_rows", "attention_backends", "effective_compression_ratio",
+                "effective_ratio_per_layer", "effective_ratio_per_head")  # fmt: skip
 
 
 def _answers(metrics: dict) -> list[dict]:
