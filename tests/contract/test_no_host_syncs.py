@@ -33,7 +33,9 @@ SELECTORS = sorted({sel for sel, _, _ in SYNCS.cells()})
 
 
 def test_the_ratio_path_is_counted_for_the_selectors_sized_by_a_ratio():
-    assert SYNCS.budget_paths("h2o") == ["fixed", "ratio", "prefill"] and SYNCS.budget_paths("full") == ["fixed"]
+    assert SYNCS.budget_paths("h2o") == ["fixed", "ratio", "prefill"] and SYNCS.budget_paths("full") == [
+        "fixed"
+    ]
     policy = SYNCS.policy_of("tova", {"name": "dense"}, "ratio")
     assert policy.budget is None and policy.compression_ratio == 0.5
 

@@ -131,7 +131,11 @@ def test_in_place_storage_does_not_change_eviction(policy, monkeypatch):
 
     model = make_tiny("llama")
     ids = torch.randint(2, 90, (1, 120), generator=torch.Generator().manual_seed(1))
-    params = {"budget": 64, "compression_ratio": None, **({"slack": 2, "evict_at": "always"} if policy == "snapkv" else {})}
+    params = {
+        "budget": 64,
+        "compression_ratio": None,
+        **({"slack": 2, "evict_at": "always"} if policy == "snapkv" else {}),
+    }
     params = {"window": 60} if policy == "sliding_window" else params
     monkeypatch.setattr(storage, "headroom", lambda n: 0)
     ref = _decode_logits(model, build_cache(policy, model, **params), ids, steps=60)

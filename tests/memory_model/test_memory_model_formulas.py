@@ -61,7 +61,9 @@ def test_h2o_ratio_keeps_half_plus_float32_accumulator_and_int32_position(spec):
 def test_snapkv_slack_recompresses_and_holds_queries(spec):
     # budget 100 after the prompt; decode grows it to 108 (= 100 + slack), step 9 makes 109 -> back to
     # 100, step 18 again, steps 19 and 20 leave 102. The layer holds the last 32 queries of 9 heads.
-    policy = make_policy("snapkv", budget=100, compression_ratio=None, observation_window=32, slack=8, evict_at="always")
+    policy = make_policy(
+        "snapkv", budget=100, compression_ratio=None, observation_window=32, slack=8, evict_at="always"
+    )
     got = predicted_bytes(policy, spec, 500, BF16, decode_tokens=20)
     assert got == kv_bytes(102) + 30 * 9 * 32 * 64 * 2
     no_slack = make_policy("snapkv", budget=100, compression_ratio=None)

@@ -91,7 +91,9 @@ def test_allocation_is_one_ranking_of_pairs_after_the_safeguard():
 
 def test_adaptive_is_refused_where_it_cannot_act(llama):
     with pytest.raises(ValueError, match="snapkv evicts at every decode step from more than its query"):
-        build_cache("snapkv", llama, adaptive=True, slack=8, evict_at="always")  # re-compresses over a window of past queries
+        build_cache(
+            "snapkv", llama, adaptive=True, slack=8, evict_at="always"
+        )  # re-compresses over a window of past queries
     with pytest.raises(ValueError, match="storage=dense"):
         build_cache("snapkv", llama, adaptive=True, storage="quant")
     padded = build_cache("snapkv", llama, adaptive=True, **SNAP)
