@@ -204,6 +204,15 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture
+def calls(tmp_path, monkeypatch):
+    """The stand-in task's call log (``sweep_support.run``): one line per run that really executed."""
+    log = tmp_path / "calls.log"
+    monkeypatch.setenv("KVC_TEST_LOG", str(log))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return lambda: log.read_text().split() if log.exists() else []
+
+
+@pytest.fixture
 def fake_cache(tmp_path, monkeypatch):
     """An asset cache (KVCOMPRESS_CACHE) holding four short fake essays; no network, no real assets. What is
     built from them (lm-eval task data) is written there too, never where the real essays' would be."""

@@ -7,7 +7,6 @@ import json
 import shutil
 from pathlib import Path
 
-import pytest
 from hydra import compose, initialize_config_dir
 
 import kvcompress
@@ -24,14 +23,6 @@ def _install(root: Path) -> Path:
     """A copy of the kvcompress package under ``root`` (outside any git checkout): what a wheel installs."""
     shutil.copytree(PACKAGE, root / "kvcompress", ignore=shutil.ignore_patterns("__pycache__"))
     return root
-
-
-@pytest.fixture
-def calls(tmp_path, monkeypatch):
-    log = tmp_path / "calls.log"
-    monkeypatch.setenv("KVC_TEST_LOG", str(log))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    return lambda: log.read_text().split() if log.exists() else []
 
 
 def _run(checkpoint, out_dir):

@@ -20,15 +20,6 @@ V1 = {"commit": "a" * 40, "dirty_hash": None}
 V2 = {"commit": "a" * 40, "dirty_hash": "0123456789ab"}
 
 
-@pytest.fixture
-def calls(tmp_path, monkeypatch):
-    """The stand-in task's call log: one line per run that really executed."""
-    log = tmp_path / "calls.log"
-    monkeypatch.setenv("KVC_TEST_LOG", str(log))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    return lambda: log.read_text().split() if log.exists() else []
-
-
 def _run(checkpoint, out_dir, resume="true"):
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(
