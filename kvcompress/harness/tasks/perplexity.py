@@ -21,6 +21,7 @@ from kvcompress.metrics.compression import (
     read_ratio,
     tokens_evicted,
 )
+from kvcompress.metrics.idle import prefill_only
 from kvcompress.metrics.memory import (
     fixed_bytes,
     peak_device_bytes,
@@ -48,16 +49,21 @@ def text_tokens(tokenizer, text_name: str, max_tokens: int, offset_tokens: int =
     return ids[:, :max_tokens]
 
 
-def _never_compressed_hint(cfg) -> str:
-    """What to set when the policy never acted under this task's streaming."""
+def _never_compressed_hint(cfg, cache) -> str:
+    """What to set when the policy never acted under this task's streaming: a prefix for a selector that
+    acts only on a prefill (or in KVzip's context pass), else a budget below what the cache held."""
     if cfg.get("prefix_tokens"):
         return f"Lower the policy's budget below task.prefix_tokens={cfg.prefix_tokens}."
+    if prefill_only(cache):
+        return (
+            f"Each forward carried task.chunk_size={cfg.chunk_size} token(s), and {cache.policy.selector} "
+            "acts only on a prefill (or in the context pass after one): set task.prefix_tokens (compress "
+            "that many tokens in one prefill, score the rest) or a larger task.chunk_size."
+        )
+    held = max(int(s.get("tokens_stored", 0)) for s in cache.stats())
     return (
-        f"Each forward carried task.chunk_size={cfg.chunk_size} token(s), and policies that compress at "
-        "prefill (snapkv, pyramidkv, expected_attention) or in the context pass after a prefill (kvzip) "
-        "never act then: set task.prefix_tokens (compress that many tokens in one prefill, score the "
-        "rest) or a larger task.chunk_size; or lower the policy's budget below "
-        f"task.max_tokens={cfg.max_tokens}."
+        f"Its budget covers every token (no layer held more than {held}): lower the policy's budget "
+        f"(budget, compression_ratio, window) below task.max_tokens={cfg.max_tokens}."
     )
 
 
@@ -96,7 +102,7 @@ def _score(model, tokenizer, ids, policy, cfg, chars) -> dict:
     cause = storage_cause(cache, storage_use(cache.stats()))  # an exact window that held every kept token
     check = compression_check(
         policy.name, tokens_evicted(cache), per_token, metrics["full_cache_bytes"],
-        f"{cause}." if cause else _never_compressed_hint(cfg), read_ratio(cache),
+        f"{cause}." if cause else _never_compressed_hint(cfg, cache), read_ratio(cache),
     )  # fmt: skip
     check |= storage_check(cache, warn=check["compressed"])  # a run that did not compress warned with it
     return metrics | check | window_check(cache)

@@ -74,6 +74,15 @@ def test_snapkv_compresses_a_prefix_and_is_flagged_under_one_token_streaming(lla
     assert "compressed" in table.splitlines()[0] and "| False |" in table
 
 
+def test_a_window_covering_the_text_is_named_as_the_cause_not_a_prefix(llama, char_tokenizer, tmp_path):
+    """sliding_window acts at every step: when it never evicted, the cause is its window, not a missing
+    prefill, and the warning names the budget, never task.prefix_tokens."""
+    got, warned = _run_task(llama, char_tokenizer, _ppl_cfg(tmp_path), "sliding_window", window=60)
+    assert got["compressed"] is False and warned == [got["warning"]]
+    assert "budget covers every token" in got["warning"] and "task.max_tokens=48" in got["warning"]
+    assert "prefix_tokens" not in got["warning"]
+
+
 def test_full_is_never_flagged_and_quant_counts_by_bytes(llama, char_tokenizer, tmp_path):
     full, warned = _run_task(llama, char_tokenizer, _ppl_cfg(tmp_path), "full")
     assert full["compressed"] is False and full["tokens_evicted"] == 0 and "warning" not in full
