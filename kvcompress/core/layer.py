@@ -109,7 +109,8 @@ class PolicyLayer(CacheLayerMixin):
         b, _, q, _ = key_states.shape
         device = key_states.device
         new_valid = None if forward is None else forward.new_token_validity(b, q, device)
-        self.take_hidden(forward)
+        if self.wants_hidden:  # only a layer that asked pays the call (kvzap)
+            self.take_hidden(forward)
         if self.on_append is not None:
             self.on_append(key_states, new_valid)
         if self.seen == 0 and self.chunked:
@@ -141,9 +142,9 @@ class PolicyLayer(CacheLayerMixin):
 
     def take_hidden(self, forward) -> None:
         """This step's input hidden states (B, q, hidden) from the forward's state into ``hidden``, for a
-        layer that ``wants_hidden``: the forward hands them over once, nothing keeps them past the step."""
-        if self.wants_hidden:
-            self.hidden = None if forward is None else forward.hidden.pop(self.layer_idx, None)
+        layer that ``wants_hidden`` (its callers check): the forward hands them over once, nothing keeps them
+        past the step."""
+        self.hidden = None if forward is None else forward.hidden.pop(self.layer_idx, None)
 
     def _defers(self) -> bool:
         """Whether this unpadded one-query step's attention can read the store's codes: a full-attention

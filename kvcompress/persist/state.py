@@ -14,9 +14,23 @@ import torch
 
 # Structure rebuilt by build_cache (policy, shapes, configs), buffer bookkeeping, and transient views;
 # rope comes from the model, probe/read_pos are a fidelity probe's (kvcompress.metrics.fidelity), hidden is
-# the hidden states a step hands a layer that asked for them (kvzap), consumed within that step.
+# the hidden states a step hands a layer that asked for them (kvzap), consumed within that step; decode_evicts
+# is read off the policy.
 SKIP = frozenset(
-    {"policy", "spec", "store", "config", "slots", "_view", "rope", "probe", "read_pos", "_ahead", "hidden"}
+    {
+        "policy",
+        "spec",
+        "store",
+        "config",
+        "slots",
+        "_view",
+        "rope",
+        "probe",
+        "read_pos",
+        "_ahead",
+        "hidden",
+        "decode_evicts",
+    }
 )
 LAZY = frozenset({"device", "dtype"})  # set by a layer's first update (CacheLayerMixin.lazy_initialization)
 

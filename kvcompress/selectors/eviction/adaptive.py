@@ -182,7 +182,8 @@ class AdaptiveHeads:
         if attention.validity(forward, b, q, key_states.device) is not None:
             raise ValueError(f"{option(self.policy)} does not serve padded rows (batch with padding)")
         flat = lambda x: x.transpose(1, 2).reshape(b, 1, q * h, d)  # noqa: E731  pair t * H + h
-        self.take_hidden(forward)  # a selector scoring from hidden states (kvzap) reads them in on_append
+        if self.wants_hidden:  # a selector scoring from hidden states (kvzap) reads them in on_append
+            self.take_hidden(forward)
         self.on_append(flat(key_states), None)  # the selector's per-pair state grows (H2O's scores)
         self.store.append(flat(key_states), flat(value_states))
         heads = torch.arange(h, dtype=torch.int8, device=key_states.device).repeat(q).expand(b, 1, -1)

@@ -150,6 +150,7 @@ class EvictionLayer(PolicyLayer):
     per_row = ("row_padding",)  # (B,) padding tokens consumed by each row
 
     def __init__(self, policy, layer_idx, spec, store):
+        self.decode_evicts = policy.evicts == "always"  # read by ``wants_scores`` at every step
         super().__init__(policy, layer_idx, spec, store)
         self.padding_seen = 0  # padding tokens consumed by the least padded row
         self.unit = getattr(policy, "unit", "token")  # block_evict ranks its own blocks
@@ -268,7 +269,7 @@ class EvictionLayer(PolicyLayer):
         """Scores after attention (``observe_attention``) at every step of several tokens, and at decode
         steps only for a selector that evicts then (``evicts: always``): with ``evict_at: prefill`` a decode
         step asks attention for nothing and evicts nothing, whatever the selector's own code does."""
-        return self.step_tokens > 1 or self.policy.evicts == "always"
+        return self.step_tokens > 1 or self.decode_evicts
 
     def stats(self) -> dict:
         heads = [self.stored_length()] * self.spec.num_kv_heads  # flat layers report their own counts
