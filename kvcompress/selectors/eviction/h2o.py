@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.fields import Choice, Int
+from kvcompress.core.fields import Int
 from kvcompress.core.policy import Shape
 from kvcompress.selectors.eviction.base import EvictionLayer, EvictionPolicy
 from kvcompress.selectors.eviction.when import EVICT_AT
@@ -91,7 +91,6 @@ class H2OPolicy(EvictionPolicy):
 
     recent: int | None = Int(None, low=0, null=True)
     observation_window: int = Int(32, low=1)
-    evict_at: str = Choice("always", EVICT_AT)
 
     def __post_init__(self):
         super().__post_init__()

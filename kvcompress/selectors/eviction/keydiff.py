@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvcompress.core.fields import Choice
 from kvcompress.selectors.eviction.base import EvictionLayer, EvictionPolicy
 from kvcompress.selectors.eviction.when import EVICT_AT
 
@@ -68,5 +67,3 @@ class KeyDiffPolicy(EvictionPolicy):
         {"budget": 10, "compression_ratio": None, "evict_at": "prefill"},
     ]
     FUZZ = [{**alt, "evict_at": list(EVICT_AT)} for alt in EvictionPolicy.FUZZ]
-
-    evict_at: str = Choice("always", EVICT_AT)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcompress.core.fields import Choice
 from kvcompress.selectors.eviction.base import EvictionLayer, EvictionPolicy
 from kvcompress.selectors.eviction.when import EVICT_AT
 
@@ -47,5 +46,3 @@ class TOVAPolicy(EvictionPolicy):
         {"budget": 10, "compression_ratio": None, "evict_at": "prefill"},
     ]
     FUZZ = [{**alt, "evict_at": list(EVICT_AT)} for alt in EvictionPolicy.FUZZ]
-
-    evict_at: str = Choice("always", EVICT_AT)
