@@ -123,7 +123,10 @@ class KVzapPolicy(EvictionPolicy):
         super().prepare(model)
         found = kvzap_fit.scorer(model, self.fit_text, self.fit_documents, self.fit_tokens, self.fit_holdout,
                                  min(self.fit_sample, self.fit_tokens), self.fit_dir)  # fmt: skip
-        self.surrogate = found[self.model_type]  # not a field: what the fit found
+        device = next(model.parameters()).device  # moved once here, so no decode step copies the weights
+        self.surrogate = {
+            k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in found[self.model_type].items()
+        }  # fmt: skip  (not a field: the fit's)
         self.fit = {"path": found["path"], **found["fit"][self.model_type]}
 
     def state_bytes(self, s: Shape, kept: int) -> int:
