@@ -142,6 +142,22 @@ class AdaptiveHeads:
         keep = min(k * self.spec.num_kv_heads, prio.shape[-1])
         return self.keep(prio.topk(keep, dim=-1).indices)
 
+    def flat_threshold(self, prio: torch.Tensor) -> torch.Tensor:
+        """A flat layer's eviction by threshold (``when``): the pairs whose priority ``prio`` (B, 1, N) is at
+        least the threshold stay (kept-first pairs score above it), and each head's best pair; returns the
+        kept indices (B, 1, N'). Its count is read back to the host, once per call."""
+        h = self.spec.num_kv_heads
+        best = prio.expand(-1, h, -1).masked_fill(~self._members(h), -torch.inf).argmax(dim=-1)  # (B, H_kv)
+        keep = (prio[:, 0] >= self.threshold).scatter(-1, best, True)  # (B, N)
+        counts = keep.sum(-1).tolist()
+        if len(set(counts)) > 1:
+            raise ValueError(
+                f"{self.policy.name}.threshold: the rows of this batch keep {counts} pairs, and a layer "
+                "holds one flat axis of pairs for every row; run one sequence at a time (batch 1) with a "
+                "threshold"
+            )
+        return self.keep(keep.nonzero()[:, 1].view(keep.shape[0], 1, counts[0]), is_sorted=True)
+
     def keep(self, idx: torch.Tensor, is_sorted: bool = False) -> torch.Tensor:
         if not self.flat:
             return super().keep(idx, is_sorted)

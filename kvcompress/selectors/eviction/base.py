@@ -56,7 +56,10 @@ class EvictionPolicy(Policy):
         adaptive_floor: with adaptive, the fraction of the per-head budget every head keeps at least.
         threshold: instead of budget / compression_ratio: keep the pairs whose priority (the selector's own
             score, docs/policies.md) is at least this, per layer and KV head, plus protected tokens; heads
-            keep their own counts (``when``). Dense storage, evict_at=prefill, batch 1.
+            keep their own counts (``when``). Dense storage, batch 1; at decode steps (evict_at=always)
+            only for selectors that score each head's own pairs (h2o, tova, kvzap).
+        threshold_every: with a threshold and evict_at=always, a flat layer evicts every this many tokens
+            seen (each time reading its kept count back to the host once); 1: at every decode step.
         evict_at: prefill: evict at steps of several tokens only (decode tokens are appended); always: at
             decode steps too. Each selector defaults to its paper's choice.
     """
@@ -74,6 +77,7 @@ class EvictionPolicy(Policy):
     adaptive_floor: float = Float(0.2, 0.0, 1.0)
     threshold: float | None = Float(None, -1e6, 1e6, null=True)
     evict_at: str = Choice("always", EVICT_AT)  # a prompt-only selector declares "prefill"
+    threshold_every: int = Int(32, low=1)
 
     def __post_init__(self):
         check_one_budget(self)
@@ -145,6 +149,7 @@ class EvictionLayer(PolicyLayer):
     ``adaptive: true`` its policy builds ``adaptive.variant`` of the class instead (``adaptive`` True)."""
 
     adaptive = False  # head-adaptive budgets (``adaptive.AdaptiveHeads``): ``select_heads`` ranks pairs
+    flat = False  # whether heads hold their own pairs now (``AdaptiveHeads.flat``)
     reads_as_stored = False  # decode attention reads dense K/V, in the grouped form where it is one
 
     per_row = ("row_padding",)  # (B,) padding tokens consumed by each row
@@ -192,6 +197,13 @@ class EvictionLayer(PolicyLayer):
         own = (real * (1.0 - self.policy.compression_ratio) + 1e-9).floor().long().clamp(min=1, max=k)
         return own.view(-1, 1, 1)
 
+    def due(self) -> bool:
+        """Whether this step evicts: the layer holds more than its target, or, for a flat layer with a
+        threshold, the step has several tokens or ends a run of ``threshold_every`` tokens (``when``)."""
+        if self.threshold is not None and self.flat:
+            return self.step_tokens > 1 or self.seen % self.policy.threshold_every == 0
+        return self.stored_length() > self.target()
+
     def target(self) -> int:
         """Tokens to keep now: the budget, or a fraction of the longest row's real tokens."""
         return self.policy.keep_count(self.seen - self.padding_seen)
@@ -229,6 +241,7 @@ class EvictionLayer(PolicyLayer):
                 ``order_free`` selectors); False where the caller already tried that this step (H2O).
         """
         t = scores.shape[-1]
+        protect *= self.spec.num_kv_heads if self.flat else 1  # flat: the last tokens' pairs, token-major
         order = self.token_order(t, scores.device)
         first = pinned if pinned is not None else torch.zeros(1, 1, t, dtype=torch.bool, device=scores.device)
         if protect:
@@ -239,7 +252,9 @@ class EvictionLayer(PolicyLayer):
         if self.unit == "chunk":
             prio = chunk_priority(prio, self.policy.chunk_size, self.valid, ~first)
         prio = torch.where(first, _BIG + order, prio)
-        if self.threshold is not None and not self.flat:  # each head its own count (``when``)
+        if self.threshold is not None:  # each head its own count (``when``)
+            if self.flat:
+                return self.flat_threshold(prio)
             h, name = self.spec.num_kv_heads, self.policy.name
             return self.flatten(threshold_pairs(prio.expand(-1, h, -1), self.threshold, name))
         if self.adaptive:  # one ranking of all (token, head) pairs (Ada-KV)

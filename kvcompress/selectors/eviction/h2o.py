@@ -38,11 +38,11 @@ class H2OLayer(EvictionLayer):
 
     def observe_attention(self, query, key, scaling: float, probs=None) -> None:
         self.acc += self.scores(query, key, scaling, self.policy.observation_window, probs).sum(dim=2)
-        k, t = self.target(), self.stored_length()
-        if t > k:
+        if self.due():
+            k, t = self.target(), self.stored_length()
             recent = self.policy.recent_for(k)
             protected = self.pos >= self.seen - recent  # the `recent` newest positions, wherever stored
-            one = t - k == 1 and recent < t
+            one = t - k == 1 and recent < t and not self.flat
             if not (one and self._drop_lowest(protected)):  # refused: ``select`` need not try it again
                 self.select(self.acc, k, pinned=protected, refill=not one)
 

@@ -8,9 +8,9 @@ others compete by score. KVzip's context pass (Kim et al., arXiv 2505.23416) is 
 compression costs one small map per token. The surrogates are trained by the toolkit on the model the first
 time it is used (``kvzap_fit``: KVzip+ targets on a text's tail, held-out fit recorded), saved and loaded.
 The paper prunes by a score threshold (``threshold=``, a log-score: kvpress's example uses -4), evaluated at
-prefill (``evict_at: prefill``, DMSPress's default) or also while decoding (``evict_at: always``, with a ratio
-or budget only: a threshold evicts at prefill only here, batch 1); a ratio or a fixed count works as for
-every scorer.
+prefill (``evict_at: prefill``, DMSPress's default) or also while decoding (``evict_at: always``; with a
+threshold every ``threshold_every`` tokens, ``when``; batch 1); a ratio or a fixed count works as for every
+scorer.
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ class KVzapLayer(EvictionLayer):
         return kvzap_model.predict(self.policy.surrogate, self.layer_idx, hidden)
 
     def observe_attention(self, query, key, scaling: float, probs=None) -> None:
-        k = self.target()
-        if self.stored_length() <= k:  # (a decode step reaches here only with evict_at: always)
+        if not self.due():  # (a decode step reaches here only with evict_at: always)
             return
+        k = self.target()
         self.select(self.priority(), k, protect=min(self.policy.window, k))
 
     def priority(self) -> torch.Tensor:
@@ -92,6 +92,7 @@ class KVzapPolicy(EvictionPolicy):
     """
 
     layer_class = KVzapLayer
+    adaptive_decode = True  # each pair keeps its predicted score: heads' own pairs compete at decode steps
     evict_at: str = Choice("prefill", EVICT_AT)  # DMSPress's default (decoding=False); always: decode too
     FORMULA = True  # the memory formulas below are this class's own
     MAX_MEMORY_RATIO = 1.07  # a float32 score per token and head: 6.25% of K+V at D=16

@@ -9,8 +9,13 @@ selector whose scores exist only at prefill names why (``prefill_only``) and ref
 is at least the threshold, plus what the selector protects (sinks, windows), so heads keep different numbers
 of tokens (kvpress's ``ThresholdPress`` / ``DMSPress``; KVzip's own pruning, arXiv 2505.23416). They are
 really stored so: the head-adaptive flat layout (``adaptive.AdaptiveHeads``) over dense storage. The kept
-count is data-dependent, so it is read on the host once per evicting step; at decode steps that would be a
-read-back per layer and step, hence ``threshold`` evicts at prefill only.
+count is data-dependent, so it is read on the host once per evicting step. With ``evict_at: always``
+(kvpress's ``DMSPress(decoding=True)``, KVzap's decoding) a flat layer evicts by threshold every
+``threshold_every`` tokens seen, so that read-back happens once per layer every ``threshold_every`` decode
+steps, not at every one; in between, pairs that fell below the threshold wait, held and counted (up to
+``threshold_every - 1`` steps later than a per-step eviction would drop them; ``threshold_every: 1`` is
+per-step). Served where a decode step scores each head's own pairs (``Policy.adaptive_decode``: h2o, tova,
+kvzap).
 """
 
 from __future__ import annotations
@@ -51,11 +56,11 @@ def when_refusal(policy) -> str | None:
         return f"{name}.evict_at='always' is not served: {because}; allowed: ['prefill']"
     if policy.threshold is None:
         return None
-    if at == "always":
+    if at == "always" and not type(policy).adaptive_decode:
         return (
-            f"{name}.threshold={policy.threshold} with evict_at='always': a threshold keeps a data-dependent "
-            "number of pairs per head, which a decode step would read back to the host at every layer and "
-            "step; use evict_at=prefill"
+            f"{name}.threshold={policy.threshold} with evict_at='always': once heads keep their own counts "
+            f"a decode step must score each head's own pairs, which {name} does not (h2o, tova and kvzap "
+            "do); use evict_at=prefill"
         )
     if policy.adaptive:
         return (

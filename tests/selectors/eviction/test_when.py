@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_tiny
 
 from kvcompress import build_cache
 from kvcompress.core.cache import make_policy
@@ -58,7 +59,11 @@ def test_snapkv_evicting_always_recompresses_at_every_decode_step(llama):
         ("expected_attention", {"evict_at": "always"}, r"expected_attention.evict_at='always' is not served"),
         ("kvzip", {"evict_at": "always"}, r"kvzip.evict_at='always' is not served: its scores come from"),
         ("snapkv", {"slack": 4}, r"snapkv.slack=4 re-compresses at decode steps, but evict_at='prefill'"),
-        ("tova", {"threshold": 0.1}, r"tova.threshold=0.1 with evict_at='always'"),
+        (
+            "keydiff",
+            {"threshold": 0.1},
+            r"keydiff.threshold=0.1 with evict_at='always': .*kvzap",
+        ),
         ("snapkv", {"threshold": 0.1, "adaptive": True}, r"threshold with adaptive=true"),
         ("snapkv", {"threshold": 0.1, "storage": "quant"}, r"snapkv.threshold=0.1 stores each head's own"),
         ("snapkv", {"threshold": 0.1, "compression_ratio": 0.5}, r"set exactly one of budget .*threshold"),
@@ -103,3 +108,56 @@ def test_a_threshold_refuses_a_batch_whose_rows_keep_different_counts(llama):
     ids = torch.cat([IDS, torch.randint(2, 95, (1, 48), generator=G)])
     with pytest.raises(ValueError, match=r"keydiff.threshold: the rows of this batch keep"), torch.no_grad():
         llama(ids, cache=cache)
+
+
+def _below_threshold_outside(layer, scores: torch.Tensor, threshold: float, protected: int) -> int:
+    """Stored pairs of a flat layer outside its newest ``protected`` tokens that score below ``threshold``
+    and are not their head's best (what an eviction by threshold must have removed)."""
+    h = layer.spec.num_kv_heads
+    heads = layer.head_of[0, 0].long()
+    below = scores[0, 0] < threshold
+    below[scores.shape[-1] - protected * h :] = False
+    for head in range(h):  # each head's best pair stays whatever it scores
+        own = torch.where(heads == head, scores[0, 0].double(), -torch.inf)
+        below[own.argmax()] = False
+    return int(below.sum())
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_h2o_with_a_threshold_evicts_at_decode_steps_every_threshold_every_tokens(llama, every):
+    """``evict_at: always`` with a threshold: every ``threshold_every`` tokens seen, each flat pair whose
+    accumulated attention is below the threshold leaves; in between the new pairs are appended."""
+    cache = build_cache("h2o", llama, threshold=0.3, compression_ratio=None, threshold_every=every)
+    _run(llama, cache)
+    h = llama.config.num_key_value_heads
+    before = [layer.store.length for layer in cache.layers]
+    for step in range(5):
+        with torch.inference_mode():
+            llama(STEPS[:, step : step + 1], cache=cache)
+        for i, layer in enumerate(cache.layers):
+            seen = 48 + step + 1
+            if seen % every:  # no eviction: the step's pairs were appended
+                assert layer.store.length == before[i] + h
+            else:
+                assert _below_threshold_outside(layer, layer.acc, 0.3, 0) == 0
+            before[i] = layer.store.length
+    assert any(n < (48 + 5) * h for n in before)  # decode steps really evicted
+
+
+def test_kvzap_with_a_threshold_evicts_while_decoding_and_keeps_its_window():
+    model = make_tiny("llama")
+    ids = torch.randint(2, 90, (1, 50), generator=torch.Generator().manual_seed(9))
+    fit = {"fit_text": "random", "fit_documents": 3, "fit_tokens": 24, "fit_holdout": 1, "fit_sample": 16}
+    cache = build_cache("kvzap", model, threshold=-7.5, compression_ratio=None, window=4, evict_at="always",
+                        threshold_every=1, **fit)  # fmt: skip
+    with torch.inference_mode():
+        model(ids[:, :30], cache=cache)
+        prefill = [layer.store.length for layer in cache.layers]
+        for t in range(30, 50):
+            model(ids[:, t : t + 1], cache=cache)
+            for layer in cache.layers:
+                assert _below_threshold_outside(layer, layer.zscore, -7.5, 4) == 0
+                newest = layer.head_of[0, 0, -4 * 2 :].long().tolist()
+                assert newest == [0, 1] * 4  # the window's tokens keep every head's pair
+    grown = [layer.store.length - n for layer, n in zip(cache.layers, prefill, strict=True)]
+    assert any(g < 20 * 2 for g in grown)  # pairs left at decode steps
