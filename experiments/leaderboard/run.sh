@@ -10,7 +10,8 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 K="${PYTHON:-.venv/bin/python} -m kvcompress -m sweep=leaderboard"
 HEADLINE=(full snapkv_r75 kvzip_r75 expected_attention_r75 h2o_r75 tova_r75 pyramidkv_r75 block_evict_r75
   sliding_window_r75 snapkv_r75_int4 kvzip_r75_int4 expected_attention_r75_int4 quant_int4 quant_int2 tiered
-  low_rank keydiff_r75 rkv_r75 kvzap_r75 kvzap_linear_r75 kvzap_threshold_r75 turboquant_int4 turboquant_int2 duo_r75)
+  low_rank keydiff_r75 rkv_r75 kvzap_r75 kvzap_linear_r75 kvzap_threshold_r75 kvzap_threshold_decode_r75
+  turboquant_int4 turboquant_int2 duo_r75)
 HALF=(snapkv_r50 kvzip_r50 expected_attention_r50 h2o_r50 tova_r50 pyramidkv_r50 block_evict_r50
   sliding_window_r50 keydiff_r50 rkv_r50 kvzap_r50 duo_r50)
 # the best at 0.75 by their mean score over both question modes: kvzip, tova, snapkv, and block_evict (which
