@@ -59,19 +59,19 @@ def _build_from(cls, group: str, cfg: dict):
 
 
 def test_a_plugin_yaml_of_target_and_one_changed_field_is_a_whole_config():
-    """tests/plugins' knorm YAML is two lines, ``_target_`` and its own ``recent`` (set apart from the
+    """tests/plugins' vnorm YAML is two lines, ``_target_`` and its own ``recent`` (set apart from the
     default): every field it inherits (EvictionPolicy's budget, ratio, unit...) is there at its default, any
     of them overrides by name, and a name that is no field is refused, listing the real ones."""
     from kvcompress.selectors.eviction.base import EvictionPolicy
 
-    assert written("policy", "knorm") == {"_target_": "example_selector.KnormPolicy", "recent": 1}
+    assert written("policy", "vnorm") == {"_target_": "example_selector.VnormPolicy", "recent": 1}
     inherited = set(declared(EvictionPolicy))
-    assert inherited <= set(load("policy", "knorm")) and {"budget", "unit", "apply_to"} <= inherited
-    policy = make_policy("knorm", unit="chunk", chunk_size=4, apply_to="all")
+    assert inherited <= set(load("policy", "vnorm")) and {"budget", "unit", "apply_to"} <= inherited
+    policy = make_policy("vnorm", unit="chunk", chunk_size=4, apply_to="all")
     assert (policy.recent, policy.unit, policy.chunk_size, policy.apply_to) == (1, "chunk", 4, "all")
-    assert make_policy("knorm").recent == 1 and make_policy("knorm", recent=3).recent == 3
-    with pytest.raises(ValueError, match=r"policy 'knorm' has no field\(s\) \['nope'\]; fields: \[.*'unit'"):
-        make_policy("knorm", nope=1)
+    assert make_policy("vnorm").recent == 1 and make_policy("vnorm", recent=3).recent == 3
+    with pytest.raises(ValueError, match=r"policy 'vnorm' has no field\(s\) \['nope'\]; fields: \[.*'unit'"):
+        make_policy("vnorm", nope=1)
     assert written("storage", "fp8") == {"_target_": "example_storage.Fp8Storage"}  # one line
     assert make_storage({"name": "fp8", "recent": 4}).recent == 4
 

@@ -93,20 +93,20 @@ def test_the_collect_script_compares_through_the_package(tmp_path):
 
 def test_check_policy_passes_a_plugin_and_fails_a_broken_one(tmp_path, monkeypatch, capsys):
     only = ["--check", "seq_length_is_absolute_position", "--check", "memory_bytes_counts_every_tensor"]
-    assert check_policy.main(["knorm", *only, "--family", "llama"]) == 0
+    assert check_policy.main(["vnorm", *only, "--family", "llama"]) == 0
     out = capsys.readouterr().out
     assert "PASS seq_length_is_absolute_position [llama]" in out and "2 of 2 passed" in out
     (tmp_path / "conf" / "policy").mkdir(parents=True)
     (tmp_path / "broken_plug.py").write_text(
-        "from dataclasses import dataclass\nfrom example_selector import KnormLayer, KnormPolicy\n\n\n"
-        "class Stored(KnormLayer):\n    def get_seq_length(self, *a, **k):\n"
+        "from dataclasses import dataclass\nfrom example_selector import VnormLayer, VnormPolicy\n\n\n"
+        "class Stored(VnormLayer):\n    def get_seq_length(self, *a, **k):\n"
         "        return self.stored_length()  # the stored tokens: wrong after an eviction\n\n\n"
-        "@dataclass\nclass Broken(KnormPolicy):\n    layer_class = Stored\n"
+        "@dataclass\nclass Broken(VnormPolicy):\n    layer_class = Stored\n"
     )
-    (tmp_path / "conf" / "policy" / "broken_knorm.yaml").write_text("_target_: broken_plug.Broken\n")
+    (tmp_path / "conf" / "policy" / "broken_vnorm.yaml").write_text("_target_: broken_plug.Broken\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv(registry.ENV, os.pathsep.join([str(PLUGINS / "conf"), str(tmp_path / "conf")]))
-    assert check_policy.main(["broken_knorm", *only, "--family", "llama"]) == 1
+    assert check_policy.main(["broken_vnorm", *only, "--family", "llama"]) == 1
     out = capsys.readouterr().out
     assert "FAIL seq_length_is_absolute_position [llama]: AssertionError: after 30 tokens" in out
     assert "1 of 2 passed; 1 FAILED" in out

@@ -37,33 +37,33 @@ def _module(folder: Path, module: str, monkeypatch) -> str:
     """A plugin module of its own (a class no other YAML names) importable from ``folder``; its class."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{module}.py").write_text(
-        "from dataclasses import dataclass\nfrom example_selector import KnormPolicy\n\n\n"
-        "@dataclass\nclass MyKnorm(KnormPolicy):\n    pass\n"
+        "from dataclasses import dataclass\nfrom example_selector import VnormPolicy\n\n\n"
+        "@dataclass\nclass MyVnorm(VnormPolicy):\n    pass\n"
     )
     monkeypatch.syspath_prepend(str(folder))
-    return f"{module}.MyKnorm"
+    return f"{module}.MyVnorm"
 
 
 def test_a_relative_conf_path_reaches_hydra_and_build_cache_without_a_flag(tmp_path, monkeypatch):
     target = _module(tmp_path / "myplug", "my_selectors_rel", monkeypatch)
-    _plugin(tmp_path / "myplug" / "conf", "knorm_rel", target)
+    _plugin(tmp_path / "myplug" / "conf", "vnorm_rel", target)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(registry.ENV, "myplug/conf")
     assert conf_path.searchpath() == [f"file://{tmp_path / 'myplug' / 'conf'}"]  # resolved against the cwd
-    policy = _compose("policy=knorm_rel").policy
+    policy = _compose("policy=vnorm_rel").policy
     assert policy._target_ == target and policy.recent == 2 and policy.unit == "token"
-    assert "knorm_rel" in known_policies()
-    assert build_cache("knorm_rel", make_tiny("llama")).layers[0].policy.recent == 2
+    assert "vnorm_rel" in known_policies()
+    assert build_cache("vnorm_rel", make_tiny("llama")).layers[0].policy.recent == 2
 
 
 def test_the_current_directorys_conf_is_searched_like_the_conf_path(tmp_path, monkeypatch):
-    _plugin(tmp_path / "conf", "knorm_local", _module(tmp_path / "src", "my_selectors_local", monkeypatch))
+    _plugin(tmp_path / "conf", "vnorm_local", _module(tmp_path / "src", "my_selectors_local", monkeypatch))
     monkeypatch.chdir(tmp_path)
     assert conf_path.extra_dirs()[-1] == tmp_path / "conf"
-    assert _compose("policy=knorm_local").policy.recent == 2
-    assert build_cache("knorm_local", make_tiny("llama")).layers[0].policy.recent == 2
+    assert _compose("policy=vnorm_local").policy.recent == 2
+    assert build_cache("vnorm_local", make_tiny("llama")).layers[0].policy.recent == 2
     monkeypatch.chdir(tmp_path / "conf")  # no conf/ here: nothing of it is searched
-    assert "knorm_local" not in known_policies()
+    assert "vnorm_local" not in known_policies()
 
 
 def test_the_checkouts_conf_holds_its_experiments():
@@ -76,39 +76,39 @@ def test_the_checkouts_conf_holds_its_experiments():
 
 
 def test_a_target_module_that_cannot_be_imported_is_refused_naming_the_yaml_and_module(tmp_path, monkeypatch):
-    yaml = _plugin(tmp_path, "knorm_gone", "my_selectors_nowhere.KnormPolicy") / "policy" / "knorm_gone.yaml"
+    yaml = _plugin(tmp_path, "vnorm_gone", "my_selectors_nowhere.VnormPolicy") / "policy" / "vnorm_gone.yaml"
     monkeypatch.setenv(registry.ENV, str(tmp_path))
-    assert "knorm_gone" in known_policies()  # registered: it fails by name only when used
+    assert "vnorm_gone" in known_policies()  # registered: it fails by name only when used
     with pytest.raises(ModuleNotFoundError) as err:
-        build_cache("knorm_gone", make_tiny("llama"))
+        build_cache("vnorm_gone", make_tiny("llama"))
     text = str(err.value)
-    assert str(yaml) in text and "'my_selectors_nowhere.KnormPolicy'" in text
+    assert str(yaml) in text and "'my_selectors_nowhere.VnormPolicy'" in text
     assert "module 'my_selectors_nowhere'" in text and "must be importable" in text and "PYTHONPATH" in text
 
 
 def test_the_cli_runs_a_plugin_named_by_a_relative_conf_path(tmp_path):
-    """``kvcompress policy=knorm`` with ``KVCOMPRESS_CONF_PATH`` and no ``hydra.searchpath`` flag: the
+    """``kvcompress policy=vnorm`` with ``KVCOMPRESS_CONF_PATH`` and no ``hydra.searchpath`` flag: the
     composed config is the plugin's (``--cfg job`` prints it without loading a model)."""
     (tmp_path / "plug").mkdir()
     (tmp_path / "plug" / "conf").symlink_to(PLUGINS / "conf")
     env = {**os.environ, registry.ENV: "plug/conf", "PYTHONPATH": str(PLUGINS)}
-    cmd = [sys.executable, "-m", "kvcompress", "policy=knorm", "--cfg", "job"]
+    cmd = [sys.executable, "-m", "kvcompress", "policy=vnorm", "--cfg", "job"]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "_target_: example_selector.KnormPolicy" in done.stdout and "recent: 1" in done.stdout
+    assert "_target_: example_selector.VnormPolicy" in done.stdout and "recent: 1" in done.stdout
 
 
 def test_the_cli_refuses_an_unimportable_plugin_naming_its_yaml(tmp_path):
     yaml = (
-        _plugin(tmp_path / "plug", "knorm_gone", "my_selectors_nowhere.KnormPolicy")
+        _plugin(tmp_path / "plug", "vnorm_gone", "my_selectors_nowhere.VnormPolicy")
         / "policy"
-        / "knorm_gone.yaml"
+        / "vnorm_gone.yaml"
     )
     env = {**os.environ, registry.ENV: "plug"}
-    cmd = [sys.executable, "-m", "kvcompress", "policy=knorm_gone", "hydra.run.dir=run"]
+    cmd = [sys.executable, "-m", "kvcompress", "policy=vnorm_gone", "hydra.run.dir=run"]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert (
-        f"{yaml}: _target_ 'my_selectors_nowhere.KnormPolicy' names module 'my_selectors_nowhere'"
+        f"{yaml}: _target_ 'my_selectors_nowhere.VnormPolicy' names module 'my_selectors_nowhere'"
         in done.stderr
     )

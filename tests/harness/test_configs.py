@@ -108,7 +108,7 @@ def test_every_method_is_named_by_its_registry_name(group):
 
     names = known_policies() if group == "policy" else known_storages()
     make = make_policy if group == "policy" else make_storage
-    assert {"policy": "knorm", "storage": "fp8"}[group] in names  # tests/plugins' own is registered too
+    assert {"policy": "vnorm", "storage": "fp8"}[group] in names  # tests/plugins' own is registered too
     assert {n: make(n).name for n in names} == {n: n for n in names}
 
 
@@ -134,13 +134,13 @@ def test_any_declared_field_overrides_whether_its_yaml_lists_it_or_not():
 
 
 def test_a_plugin_policy_composes_whole_where_the_search_path_reaches_its_yaml():
-    """knorm's YAML is ``_target_`` and ``recent``: through ``hydra.searchpath`` it composes with every field
+    """vnorm's YAML is ``_target_`` and ``recent``: through ``hydra.searchpath`` it composes with every field
     it inherits, and those override like its own."""
     from conftest import PLUGINS
 
     plugin = f"hydra.searchpath=[file://{PLUGINS / 'conf'}]"
-    cfg = _compose(plugin, "policy=knorm", "policy.unit=chunk", hydra_cfg=False).policy
-    assert cfg._target_ == "example_selector.KnormPolicy" and cfg.recent == 1 and cfg.unit == "chunk"
+    cfg = _compose(plugin, "policy=vnorm", "policy.unit=chunk", hydra_cfg=False).policy
+    assert cfg._target_ == "example_selector.VnormPolicy" and cfg.recent == 1 and cfg.unit == "chunk"
     assert cfg.budget is None and cfg.compression_ratio is None and cfg.apply_to == "full_attention"
 
 

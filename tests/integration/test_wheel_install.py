@@ -169,14 +169,14 @@ def _check_plugin(venv: Path, env: dict, work: Path, checkpoint: Path) -> None:
     )
     plug = env | {"KVCOMPRESS_CONF_PATH": "plugins/conf", "PYTHONPATH": str(work / "plugins")}
     task = ["task.max_tokens=64", "task.slices=1", "task.speed=false", "task.progress=false"]
-    cli = [venv / "bin" / "kvcompress", "model=hf", f"model.name={checkpoint}", "policy=knorm",
-           "policy.compression_ratio=0.5", *task, "task.text=essay.txt", "hydra.run.dir=knorm"]  # fmt: skip
+    cli = [venv / "bin" / "kvcompress", "model=hf", f"model.name={checkpoint}", "policy=vnorm",
+           "policy.compression_ratio=0.5", *task, "task.text=essay.txt", "hydra.run.dir=vnorm"]  # fmt: skip
     _run(cli, plug, work)
-    record = json.loads((work / "knorm" / "results.json").read_text())
+    record = json.loads((work / "vnorm" / "results.json").read_text())
     assert (
-        record["status"] == "ok" and record["config"]["policy"]["_target_"] == "example_selector.KnormPolicy"
+        record["status"] == "ok" and record["config"]["policy"]["_target_"] == "example_selector.VnormPolicy"
     )
-    checked = _run([venv / "bin" / "kvcompress", "check-policy", "knorm"], plug, work)
+    checked = _run([venv / "bin" / "kvcompress", "check-policy", "vnorm"], plug, work)
     passed = re.search(r"^(\d+) of (\d+) passed$", checked, flags=re.M)
     assert passed and passed[1] == passed[2] and int(passed[1]) >= 7 and "FAIL" not in checked, checked
 

@@ -165,8 +165,8 @@ def test_classes_outside_kvcompress_and_its_plugins_are_refused_before_import(tm
                                              r"refused \(nothing was imported\)"):  # fmt: skip
             load_cache(bad, MODEL)
         assert "kvc_hostile" not in sys.modules and not (tmp_path / "kvc_hostile.ran").exists(), field
-    assert registry.trusted("example_selector.KnormPolicy") and not registry.trusted("os.system")
-    plugin, _ = saved(tmp_path, "knorm")  # a plugin registered through KVCOMPRESS_CONF_PATH still loads
+    assert registry.trusted("example_selector.VnormPolicy") and not registry.trusted("os.system")
+    plugin, _ = saved(tmp_path, "vnorm")  # a plugin registered through KVCOMPRESS_CONF_PATH still loads
     assert type(load_cache(plugin, MODEL).policy).__module__ == "example_selector"
 
 

@@ -1,0 +1,62 @@
+"""Knorm: keep the keys with the smallest L2 norm, with no attention score.
+
+Devoto et al., "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression", arXiv 2406.11430:
+keys with a low L2 norm draw high attention, so a layer over its budget keeps, per row and KV head, the keys
+of lowest norm. Reference code: kvpress's ``KnormPress`` (the authors' own), whose defaults this follows: the
+prompt is ranked once at prefill and decode tokens are appended (``ScorerPress``), nothing is protected (no
+recent window), and the norm is taken in float32 so that low-precision keys do not tie. The ranking reads
+keys only, so the step asks attention for no probabilities and any backend serves it; over quantized storage
+each step reads the dequantized copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcompress.core.fields import Choice
+from kvcompress.selectors.eviction.base import EvictionLayer, EvictionPolicy
+from kvcompress.selectors.eviction.when import EVICT_AT
+
+
+def knorm_scores(key: torch.Tensor) -> torch.Tensor:
+    """(B, H_kv, T) priority of each stored key (B, H_kv, T, D): minus its L2 norm, in at least float32."""
+    return -torch.linalg.vector_norm(key, dim=-1, dtype=torch.promote_types(key.dtype, torch.float32))
+
+
+class KnormLayer(EvictionLayer):
+    """Once the layer holds more than its target, keeps each KV head's ``k`` lowest-norm keys. The ranking
+    does not depend on stored order, so a decode step's one eviction (``evict_at: always``) moves the newest
+    token into the hole (O(1))."""
+
+    order_free = True
+    observed_probs = "none"  # observes after attention, from the keys alone
+
+    def never_crops(self) -> str | None:
+        """None: each key's score is its own norm, so a crop is exact wherever no eviction happened among
+        the tokens it removes (``core.rollback`` checks that)."""
+        return None
+
+    def observe_attention(self, query, key, scaling: float, probs=None) -> None:
+        k = self.target()
+        if self.stored_length() > k:
+            self.select(knorm_scores(key), k)
+
+
+@dataclass
+class KnormPolicy(EvictionPolicy):
+    """Keep, per layer and KV head, the ``budget`` (or ``1 - compression_ratio``) keys with the smallest L2
+    norm (Devoto et al., arXiv 2406.11430); needs no attention scores. ``evict_at: prefill`` (the default)
+    ranks the prompt once, as kvpress's ``KnormPress``; ``always`` evicts at every decode step too."""
+
+    layer_class = KnormLayer
+    FORMULA = True  # the inherited kept_tokens()/state_bytes() describe it exactly
+    TEST_PARAMS = {"budget": 12, "compression_ratio": None}  # makes a 48-token test compress
+    MEMORY_VARIANTS = [
+        {"budget": None, "compression_ratio": 0.25},
+        {"budget": 10, "compression_ratio": None, "evict_at": "always"},
+    ]
+    FUZZ = [{**alt, "evict_at": list(EVICT_AT)} for alt in EvictionPolicy.FUZZ]
+
+    evict_at: str = Choice("prefill", EVICT_AT)  # kvpress's ScorerPress: the prompt once, decode appended
