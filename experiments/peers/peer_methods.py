@@ -31,9 +31,9 @@ METHODS = {
     },
     "knorm": {
         "press": {"name": "KnormPress"},
-        "ours": {"name": "knorm", "recent": 0, "evict_at": "prefill"},
+        "ours": {"name": "knorm"},
         "expect": 1.0,
-        "note": "ours is the example plugin (tests/plugins: knorm), with recent=0 as kvpress",
+        "note": "the package's knorm at its defaults, as kvpress: the prompt ranked once, no recent window",
     },
     "streaming_llm": {
         "press": {"name": "StreamingLLMPress", "n_sink": 4},

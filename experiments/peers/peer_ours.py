@@ -4,9 +4,7 @@
 
 from __future__ import annotations
 
-import os
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -16,28 +14,10 @@ from kvcompress.metrics.retention import ReadSets
 from kvcompress.runtime.context_pass import prefill
 
 HERE = Path(__file__).resolve().parent
-PLUGINS = HERE.parents[1] / "tests" / "plugins"  # the example knorm selector (``example_selector``)
-ENV = "KVCOMPRESS_CONF_PATH"  # extra config folders (docs/extending.md)
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from peer_methods import METHODS  # noqa: E402
-
-
-@contextmanager
-def plugin_conf():
-    """The example plugins (``knorm``) registered while a policy is made, the process left as it was."""
-    old_env, old_path = os.environ.get(ENV), list(sys.path)
-    os.environ[ENV] = os.pathsep.join(p for p in (old_env, str(PLUGINS / "conf")) if p)
-    sys.path.insert(0, str(PLUGINS))
-    try:
-        yield
-    finally:
-        sys.path[:] = old_path
-        if old_env is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = old_env
 
 
 def our_policy(name: str, ratio: float, n_tokens: int):
@@ -47,8 +27,7 @@ def our_policy(name: str, ratio: float, n_tokens: int):
         spec["window"] = max(1, int(n_tokens * (1 - ratio))) - spec["sink_tokens"]
     else:
         spec["compression_ratio"] = ratio
-    with plugin_conf():
-        return make_policy(spec) if "_target_" in spec else make_policy(spec.pop("name"), **spec)
+    return make_policy(spec) if "_target_" in spec else make_policy(spec.pop("name"), **spec)
 
 
 def held_positions(snapshot: list[torch.Tensor], n_tokens: int) -> list[list[list[int]]]:
