@@ -149,13 +149,17 @@ class EvictionLayer(PolicyLayer):
     ``adaptive: true`` its policy builds ``adaptive.variant`` of the class instead (``adaptive`` True)."""
 
     adaptive = False  # head-adaptive budgets (``adaptive.AdaptiveHeads``): ``select_heads`` ranks pairs
+    reads_as_stored = False  # with evict_at=always: scored from dense K/V at decode steps (see ``__init__``)
     flat = False  # whether heads hold their own pairs now (``AdaptiveHeads.flat``)
-    reads_as_stored = False  # decode attention reads dense K/V, in the grouped form where it is one
 
     per_row = ("row_padding",)  # (B,) padding tokens consumed by each row
 
     def __init__(self, policy, layer_idx, spec, store):
         self.decode_evicts = policy.evicts == "always"  # read by ``wants_scores`` at every step
+        # a decode step that evicts nothing asks attention for nothing, so it may read the codes as ``full``
+        # does; one that evicts reads dense K/V (in the grouped form where it is one) unless the selector
+        # scores from the decode query's probabilities alone (h2o, tova: their class says so)
+        self.reads_as_stored = type(self).reads_as_stored or not self.decode_evicts
         super().__init__(policy, layer_idx, spec, store)
         self.padding_seen = 0  # padding tokens consumed by the least padded row
         self.unit = getattr(policy, "unit", "token")  # block_evict ranks its own blocks
