@@ -38,8 +38,8 @@ class H2OLayer(EvictionLayer):
 
     def observe_attention(self, query, key, scaling: float, probs=None) -> None:
         self.acc += self.scores(query, key, scaling, self.policy.observation_window, probs).sum(dim=2)
-        if self.due():
-            k, t = self.target(), self.stored_length()
+        k, t = self.target(), self.stored_length()
+        if self.due() if self.flat else t > k:  # (``due`` once flat: a threshold's own schedule)
             recent = self.policy.recent_for(k)
             protected = self.pos >= self.seen - recent  # the `recent` newest positions, wherever stored
             one = t - k == 1 and recent < t and not self.flat

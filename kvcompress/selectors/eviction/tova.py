@@ -19,9 +19,9 @@ class TOVALayer(EvictionLayer):
     reads_as_stored = True  # scored by the decode query over every stored token: over quant, from the codes
 
     def observe_attention(self, query, key, scaling: float, probs=None) -> None:
-        if not self.due():
-            return
         k = self.target()
+        if not (self.due() if self.flat else self.stored_length() > k):
+            return
         last = self.scores(query, key, scaling, 1, probs)  # (B, H_kv, 1, T)
         if self.policy.adaptive:  # each head's own scores: its pairs compete with the other heads'
             self.select(last[:, :, 0], k)
