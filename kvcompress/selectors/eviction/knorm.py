@@ -6,7 +6,7 @@ of lowest norm. Reference code: kvpress's ``KnormPress`` (the authors' own), who
 prompt is ranked once at prefill and decode tokens are appended (``ScorerPress``), nothing is protected (no
 recent window), and the norm is taken in float32 so that low-precision keys do not tie. The ranking reads
 keys only, so the step asks attention for no probabilities and any backend serves it; over quantized storage
-each step reads the dequantized copy.
+a decode step reads the codes with ``evict_at: prefill`` and a dequantized copy with ``always``.
 """
 
 from __future__ import annotations
