@@ -3,6 +3,10 @@
 The block-granular form of score-based eviction (H2O's accumulated attention, Zhang et al., arXiv
 2306.14048, aggregated over fixed blocks as Quest pages the cache, Tang et al., arXiv 2406.10774): what
 is removed is always a whole contiguous span ``pos // block_size`` of the sequence.
+
+``evict_at``: ``always`` (the default, H2O's: the accumulator is updated and a block evicted at decode steps
+too) or ``prefill`` (steps of several tokens only; decode tokens are appended, unscored). A ``threshold`` is
+refused: every KV head of a row holds the same number of blocks (``block_evict_layer``'s layout).
 """
 
 from __future__ import annotations
@@ -11,10 +15,11 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from kvcompress.core.fields import Float, Int
+from kvcompress.core.fields import Choice, Float, Int
 from kvcompress.core.policy import Policy, Shape
 from kvcompress.selectors.eviction.base import check_one_budget
 from kvcompress.selectors.eviction.block_evict_layer import BlockEvictLayer, _ceil_div
+from kvcompress.selectors.eviction.when import EVICT_AT
 
 SCORE_BYTES = 4  # one float32 score per stored block and KV head
 COUNTER_BYTES = 8  # two int32 counters per batch row (real tokens, stored blocks)
@@ -26,10 +31,11 @@ class BlockEvictPolicy(Policy):
     window; evict whole blocks only, at prefill down to the target and during decode one block at a time.
 
     A block's score is the attention its tokens received, summed over the query heads' mean of each KV
-    group, accumulated over the last ``observation_window`` queries of every prefill step and every decode
-    query (H2O's accumulator, kept per block). Every evictable block is complete (only the newest block is
-    partial, and it is protected), so the sum and the mean per token rank blocks identically; we keep the
-    sum, one float per block. Each row and KV head chooses its own blocks.
+    group, accumulated over the last ``observation_window`` queries of every prefill step and, with
+    ``evict_at: always`` (the default), every decode query (H2O's accumulator, kept per block; with
+    ``prefill`` decode steps score and evict nothing). Every evictable block is complete (only the newest
+    block is partial, and it is protected), so the sum and the mean per token rank blocks identically; we
+    keep the sum, one float per block. Each row and KV head chooses its own blocks, the same number of them.
 
     The target is ``budget`` tokens per layer and KV head, or ``1 - compression_ratio`` of the real tokens
     seen (rounded down). Kept tokens are whole blocks, so a layer holds the protected blocks plus as many
@@ -42,23 +48,33 @@ class BlockEvictPolicy(Policy):
         sink_tokens: the first tokens; the blocks holding them are never evicted.
         recent: the newest tokens; the blocks holding them (and always the newest block) are never evicted.
         observation_window: prompt queries of each prefill step whose attention is added to the scores.
+        evict_at: always (H2O's, whose accumulator this is: decode queries add to the scores and a decode
+            step over the target evicts a block); prefill: steps of several tokens only, decode tokens are
+            appended and score nothing.
+        threshold: refused (null only): a threshold keeps a different number of blocks in each KV head, and
+            every head of a row holds the same number here (one block count per row; a head's valid slot
+            ``i`` is in block ``i // block_size``), not the flat per-head layout a threshold is stored in.
     """
 
     layer_class = BlockEvictLayer
     FORMULA = True  # the memory formulas below are this class's own
-    evicts = "always"
+    # evict_at=prefill over one-token steps never evicts: full plus a float32 score per block and head (3.1%
+    # of K+V at block_size 1 and D=16) and the per-row counters, which on a 2-token stream make 6.2%
+    MAX_MEMORY_RATIO = 1.07
     TEST_PARAMS = {"block_size": 4, "budget": 16, "compression_ratio": None, "sink_tokens": 2, "recent": 4,
                    "observation_window": 4}  # fmt: skip
     FUZZ = [
-        {**alt, "block_size": (1, 8), "sink_tokens": (0, 6), "recent": (0, 10), "observation_window": (1, 8)}
+        {**alt, "block_size": (1, 8), "sink_tokens": (0, 6), "recent": (0, 10), "observation_window": (1, 8),
+         "evict_at": list(EVICT_AT)}
         for alt in (
             {"budget": (1, 60), "compression_ratio": None},
             {"budget": None, "compression_ratio": [0.0, 0.5, 0.9]},
         )
-    ]
+    ]  # fmt: skip
     MEMORY_VARIANTS = [
         {"block_size": 16, "compression_ratio": 0.5, "sink_tokens": 4, "recent": 32},
         {"block_size": 8, "budget": 100, "compression_ratio": None, "sink_tokens": 0, "recent": 5},
+        {"block_size": 8, "compression_ratio": 0.5, "sink_tokens": 4, "recent": 16, "evict_at": "prefill"},
     ]
 
     block_size: int = Int(32, low=1)
@@ -67,8 +83,18 @@ class BlockEvictPolicy(Policy):
     sink_tokens: int = Int(4, low=0)
     recent: int = Int(64, low=0)
     observation_window: int = Int(32, low=1)
+    evict_at: str = Choice("always", EVICT_AT)
+    threshold: float | None = Choice(None, (None,))  # declared to be refused by name (``__post_init__``)
 
     def __post_init__(self):
+        if self.threshold is not None:
+            raise ValueError(
+                f"block_evict.threshold={self.threshold!r} is not served: a threshold keeps a different "
+                "number of blocks in each KV head, and block_evict's layout holds the same number in every "
+                "head of a row (one block count per row; a head's valid slot i is in block i // block_size), "
+                "not the flat per-head layout a threshold is stored in; use budget or compression_ratio (a "
+                "threshold over accumulated attention per token: h2o.threshold); allowed: [None]"
+            )
         super().__post_init__()
         check_one_budget(self)
         if self.budget is not None and self.budget < self.min_budget:
@@ -78,6 +104,10 @@ class BlockEvictPolicy(Policy):
                 f"block_size={self.block_size}: the blocks holding sink_tokens={self.sink_tokens} and the "
                 f"recent={self.recent} window are always kept, plus at least one block"
             )
+
+    @property
+    def evicts(self) -> str:
+        return self.evict_at
 
     @property
     def sink_blocks(self) -> int:
@@ -108,7 +138,8 @@ class BlockEvictPolicy(Policy):
         for q in [s.prefill] + [1] * s.decode:
             blocks += _ceil_div(seen + q, self.block_size) - _ceil_div(seen, self.block_size)
             stored, seen = stored + q, seen + q
-            stored, blocks = self._after_eviction(seen, stored, blocks)
+            if q > 1 or self.evict_at == "always":  # with prefill a decode token is appended
+                stored, blocks = self._after_eviction(seen, stored, blocks)
         return stored, blocks
 
     def _after_eviction(self, seen: int, stored: int, blocks: int) -> tuple[int, int]:

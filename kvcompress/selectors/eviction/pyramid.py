@@ -5,6 +5,10 @@ arXiv 2406.02069. Built on the schedule mechanism: every layer gets its own copy
 policy (SnapKV by default, as in the paper) whose kept count is its share of the pyramid (``layer_keep``),
 computed from the prompt's length as the paper's reference code does (KVCache-Factory, ``PyramidKVCluster``,
 commit c97f9d7), or as kvpress 0.5.5's ``PyramidKVPress`` does (``variant: kvpress``).
+
+``evict_at`` is handed to the inner policy (each layer then evicts at prefill only, or at decode steps too,
+keeping its pyramid share of the tokens seen); left null, the inner policy's own (SnapKV's ``prefill``, the
+paper's). A ``threshold`` is refused: it replaces the budget, and the pyramid is a schedule of budgets.
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ from functools import partial
 from kvcompress.core.fields import Choice, Float, Int
 from kvcompress.core.policy import ModelSpec, Policy, PolicyLayer
 from kvcompress.selectors.eviction.base import BUDGETS, EvictionPolicy, check_one_budget
+from kvcompress.selectors.eviction.when import EVICT_AT
 from kvcompress.selectors.schedule import SchedulePolicy, _as_policy
 
 _SNAPKV = {"_target_": "kvcompress.selectors.SnapKVPolicy"}
 VARIANTS = ("reference", "kvpress")
+WHEN = (None, *EVICT_AT)  # None: the inner policy's own evict_at
 
 
 def reference_keep(n: int, layer: int, layers: int, mean: int, window: int, beta: float) -> int:
@@ -71,24 +77,40 @@ class PyramidKVPolicy(Policy):
     prompt's length at prefill (``layer_keep``): the first layer keeps up to all but the window, the last
     ``1/beta`` of the mean above the window. ``variant``: ``reference`` (the paper's code: the window on top
     of each layer's pyramid share, integer steps) or ``kvpress`` (kvpress 0.5.5: the window inside it).
-    ``storage`` applies to every layer's copy."""
+    ``storage`` applies to every layer's copy.
+
+    Args:
+        evict_at: prefill | always, handed to every layer's copy of ``policy`` (refused by name where that
+            policy refuses it); null: the policy's own (SnapKV's: prefill, the paper's).
+        threshold: refused (null only): a threshold replaces the budget, which is what the pyramid
+            schedules; a threshold over SnapKV's scores is ``snapkv.threshold``.
+    """
 
     TEST_PARAMS = {"budget": 12, "compression_ratio": None, "beta": 4}
-    FUZZ = [{**alt, "beta": [1, 4, 20, 30]} for alt in BUDGETS]
+    # not always: snapkv then holds its last queries, above a short sequence's full cache (as snapkv's FUZZ)
+    FUZZ = [{**alt, "beta": [1, 4, 20, 30], "evict_at": [None, "prefill"]} for alt in BUDGETS]
     MEMORY_VARIANTS = [
         {"budget": None, "compression_ratio": 0.5},
         {"budget": 100, "compression_ratio": None, "policy": {"_target_": "kvcompress.selectors.H2OPolicy"}},
-    ]
+        {"budget": None, "compression_ratio": 0.5, "evict_at": "always"},
+        {"budget": 100, "compression_ratio": None, "evict_at": "prefill",
+         "policy": {"_target_": "kvcompress.selectors.H2OPolicy"}},
+    ]  # fmt: skip
 
     policy: object = field(default_factory=lambda: dict(_SNAPKV))
     budget: int | None = Int(None, low=1, null=True)
     compression_ratio: float | None = Float(None, 0.0, 1.0, high_open=True, null=True)
     beta: float = Float(20.0, 1.0, 1e9)
     variant: str = Choice("reference", VARIANTS)
+    evict_at: str | None = Choice(None, WHEN)
+    threshold: float | None = Choice(None, (None,))  # declared to be refused by name (``_threshold_refusal``)
 
     def __post_init__(self):
+        why = self._threshold_refusal()
+        if why:
+            raise ValueError(why)
         try:
-            probe = self.policy if isinstance(self.policy, Policy) else self._inner(1, None)
+            probe = self.policy if isinstance(self.policy, Policy) else self._made(budget=1)
         except (TypeError, ValueError) as err:  # a policy without budget / compression_ratio fields
             raise ValueError(f"pyramidkv.policy={self.policy!r} must be an eviction policy ({err})") from err
         if not isinstance(probe, EvictionPolicy):
@@ -97,18 +119,67 @@ class PyramidKVPolicy(Policy):
         check_one_budget(self)
         super().__post_init__()
         self._schedules: dict = {}
+        why = self._when_refusal()
+        if why:
+            raise ValueError(why)
+
+    def _config(self) -> dict:
+        """The inner policy's config entries (none for a policy object: its fields are its own)."""
+        try:
+            return {} if isinstance(self.policy, Policy) else dict(self.policy)
+        except (TypeError, ValueError):  # not a config: the probe refuses it
+            return {}
+
+    def _threshold_refusal(self) -> str | None:
+        """Why a threshold (pyramidkv's or its policy's) cannot be served: it leaves no budget to schedule."""
+        inner = self._config().get("threshold", getattr(self.policy, "threshold", None))
+        where, value = ("threshold", self.threshold) if inner is None else ("policy.threshold", inner)
+        if value is None:
+            return None
+        return (
+            f"pyramidkv.{where}={value!r} is not served: a threshold replaces the budget, and pyramidkv is "
+            "a schedule of per-layer budgets, so it would have nothing to schedule (every layer keeping the "
+            f"pairs over the same threshold); use policy=snapkv threshold={value} (snapkv.threshold) for a "
+            "threshold over SnapKV's scores; allowed: [None]"
+        )
+
+    def _when_refusal(self) -> str | None:
+        """Why ``evict_at`` cannot be handed to the inner policy, or None."""
+        if self.evict_at is None:
+            return None
+        own = self._config().get("evict_at")
+        if own is not None and own != self.evict_at:
+            return (
+                f"pyramidkv.evict_at={self.evict_at!r} and pyramidkv.policy.evict_at={own!r} disagree: set "
+                "one of them"
+            )
+        served, why = [None], None
+        for at in EVICT_AT:
+            try:
+                self._made(budget=1, evict_at=at)
+                served.append(at)
+            except ValueError as err:
+                why = str(err) if at == self.evict_at else why
+        if why is None:
+            return None
+        return f"pyramidkv.evict_at={self.evict_at!r} is not served by its policy ({why}); allowed: {served}"
 
     @property
     def evicts(self) -> str:
         return self._inner(1, None).evicts
 
-    def _inner(self, budget: int | None, ratio: float | None) -> EvictionPolicy:
-        """A copy of the inner policy at ``budget`` / ``ratio``, on the layers this policy's ``apply_to``
+    def _made(self, **fields) -> Policy:
+        """A copy of the inner policy with ``fields`` replaced, on the layers this policy's ``apply_to``
         names (the inner policy's own ``apply_to`` is overridden: the one asked for is pyramidkv's)."""
-        fields = {"budget": budget, "compression_ratio": ratio, "apply_to": self.apply_to}
+        fields = {"compression_ratio": None, "apply_to": self.apply_to, **fields}
         if isinstance(self.policy, Policy):
             return dataclasses.replace(self.policy, **fields)
         return _as_policy({**dict(self.policy), **fields})
+
+    def _inner(self, budget: int | None, ratio: float | None) -> EvictionPolicy:
+        """A copy of the inner policy at ``budget`` / ``ratio`` and this policy's ``evict_at`` (if set)."""
+        when = {} if self.evict_at is None else {"evict_at": self.evict_at}
+        return self._made(budget=budget, compression_ratio=ratio, **when)
 
     def schedule(self, num_layers: int) -> SchedulePolicy:
         """The per-layer schedule this policy stands for (the same object for a given depth): copies of the
@@ -155,6 +226,8 @@ class PyramidKVPolicy(Policy):
         fields = {"budget": self.budget, "compression_ratio": self.compression_ratio, "beta": self.beta}
         if self.variant != "reference":  # the default stays out: records of earlier runs unchanged
             fields["variant"] = self.variant
+        if self.evict_at is not None:  # unset stays out (the inner's, in ``policy``): records unchanged
+            fields["evict_at"] = self.evict_at
         if self.apply_to != "full_attention":  # the default stays out: records of earlier runs unchanged
             fields["apply_to"] = self.apply_to
         return {"name": self.name, "policy": inner, **fields, "storage": self.storage.describe()}

@@ -143,7 +143,7 @@ def test_left_padded_rows_keep_what_they_keep_alone():
         ({"block_size": 0}, r"block_evict.block_size=0 must be an integer >= 1"),
         ({"keep_ratio": 0.5}, r"block_evict.keep_ratio was removed: use compression_ratio \(the fraction"),
         ({"window": 4}, r"block_evict.window was removed: use observation_window"),
-        ({"budget": 256, "compression_ratio": 0.5}, "exactly one of budget .* or compression_ratio"),
+        ({"budget": 256, "compression_ratio": 0.5}, "exactly one of budget .*compression_ratio"),
         ({"budget": 100}, r"block_evict.budget=100 is below 128 = \(sink blocks 1 \+ "),
         ({"budget": 64.5}, "block_evict.budget=64.5 must be an integer"),
         ({"sink_tokens": -1}, "block_evict.sink_tokens=-1 must be an integer >= 0"),

@@ -86,3 +86,68 @@ def test_apply_to_reaches_every_layer_of_the_pyramid(apply_to):
             windowed = kind == "sliding_attention" and apply_to == "full_attention"
             assert isinstance(layer, ModelWindowLayer if windowed else SnapKVLayer), (kind, type(layer))
     assert ("apply_to" in policy.describe()) == (apply_to == "all")
+
+
+SNAP4 = {"_target_": "kvcompress.selectors.SnapKVPolicy", "observation_window": 4}
+H2O = {"_target_": "kvcompress.selectors.H2OPolicy"}
+
+
+@torch.inference_mode()
+def _stored_per_step(model, cache, prompt, steps) -> list[list[int]]:
+    """Each layer's stored length after the prompt and after each one-token decode step."""
+    model(prompt, cache=cache)
+    out = [[layer.stored_length() for layer in cache.layers]]
+    for i in range(steps.shape[1]):
+        model(steps[:, i : i + 1], cache=cache)
+        out.append([layer.stored_length() for layer in cache.layers])
+    return out
+
+
+def test_evict_at_defaults_to_the_inner_policys_and_records_stay_as_they_were():
+    """Unset, pyramidkv evicts when its inner policy does (snapkv: prefill, the paper's) and its record
+    carries no evict_at of its own: records of earlier runs describe the same policy."""
+    policy = make_policy("pyramidkv")
+    assert policy.evict_at is None and policy.evicts == "prefill"
+    assert "evict_at" not in policy.describe() and policy.describe()["policy"]["evict_at"] == "prefill"
+    assert make_policy("pyramidkv", policy=H2O).evicts == "always"  # h2o's own, as before
+    set_at = make_policy("pyramidkv", evict_at="always")
+    assert set_at.describe()["evict_at"] == set_at.describe()["policy"]["evict_at"] == "always"
+
+
+@pytest.mark.parametrize("inner,evict_at", [(SNAP4, "always"), (SNAP4, "prefill"), (H2O, "prefill")])
+def test_evict_at_reaches_every_layer_of_the_pyramid(inner, evict_at, llama, tokens):
+    """prefill: each layer keeps its pyramid share of the prompt and appends decode tokens; always: a decode
+    step over a layer's share of the tokens seen evicts back to it (SnapKV re-compresses, slack 0)."""
+    fields = {"budget": 10, "compression_ratio": None, "beta": 3, "evict_at": evict_at}
+    policy = make_policy("pyramidkv", policy=inner, **fields)
+    cache = build_cache(policy, llama)
+    got = _stored_per_step(llama, cache, tokens[:, :30], tokens[:, 30:36])
+    want = [policy.budgets(3, 30)]
+    assert len(set(want[0])) == 3  # the layers really keep different counts
+    for n in range(31, 37):
+        grown = [s + 1 for s in want[-1]]  # prefill: appended; always: evicted back to the layer's share
+        cut = [min(s, k) for s, k in zip(grown, policy.budgets(3, n), strict=True)]
+        want.append(grown if evict_at == "prefill" else cut)
+    assert (want[-1] == [s + 6 for s in want[0]]) == (evict_at == "prefill")  # always: decode steps evicted
+    assert got == want
+    assert all(s["evict_at"] == evict_at for s in cache.stats())
+
+
+@pytest.mark.parametrize(
+    "fields,match",
+    [
+        ({"threshold": 0.1}, r"pyramidkv.threshold=0.1 is not served: a threshold replaces the budget.*"
+         r"use policy=snapkv threshold=0.1 \(snapkv.threshold\).*allowed: \[None\]"),
+        ({"policy": {**SNAP4, "threshold": 0.1}}, r"pyramidkv.policy.threshold=0.1 is not served"),
+        ({"evict_at": "sometimes"}, r"pyramidkv.evict_at='sometimes' is not supported; allowed: "
+         r"\[None, 'prefill', 'always'\]"),
+        ({"evict_at": "always", "policy": {"_target_": "kvcompress.selectors.KVzipPolicy"}},
+         r"pyramidkv.evict_at='always' is not served by its policy \(kvzip.evict_at='always' is not served: "
+         r".*\); allowed: \[None, 'prefill'\]$"),
+        ({"evict_at": "prefill", "policy": {**SNAP4, "evict_at": "always"}},
+         r"pyramidkv.evict_at='prefill' and pyramidkv.policy.evict_at='always' disagree"),
+    ],
+)  # fmt: skip
+def test_what_pyramidkv_cannot_serve_is_refused_by_name(fields, match, llama):
+    with pytest.raises(ValueError, match=match):
+        build_cache("pyramidkv", llama, **fields)
