@@ -85,6 +85,7 @@ class BlockEvictPolicy(Policy):
     observation_window: int = Int(32, low=1)
     evict_at: str = Choice("always", EVICT_AT)
     threshold: float | None = Choice(None, (None,))  # declared to be refused by name (``__post_init__``)
+    sizes_served = ("budget", "compression_ratio")  # what ``when.check_one_budget`` offers
 
     def __post_init__(self):
         if self.threshold is not None:

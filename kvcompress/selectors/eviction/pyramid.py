@@ -104,6 +104,7 @@ class PyramidKVPolicy(Policy):
     variant: str = Choice("reference", VARIANTS)
     evict_at: str | None = Choice(None, WHEN)
     threshold: float | None = Choice(None, (None,))  # declared to be refused by name (``_threshold_refusal``)
+    sizes_served = ("budget", "compression_ratio")  # what ``when.check_one_budget`` offers
 
     def __post_init__(self):
         why = self._threshold_refusal()

@@ -36,7 +36,8 @@ SIZES = {
 def check_one_budget(policy) -> None:
     """At most one of ``budget``, ``compression_ratio`` and (where the policy has it) ``threshold``; none
     means ``compression_ratio=0.5``."""
-    names = [n for n in SIZES if hasattr(policy, n)]
+    served = getattr(type(policy), "sizes_served", tuple(SIZES))  # pyramidkv, block_evict: no threshold
+    names = [n for n in served if hasattr(policy, n)]
     given = [n for n in names if getattr(policy, n) is not None]
     if not given:
         policy.compression_ratio = DEFAULT_RATIO
@@ -56,6 +57,11 @@ def when_refusal(policy) -> str | None:
         return f"{name}.evict_at='always' is not served: {because}; allowed: ['prefill']"
     if policy.threshold is None:
         return None
+    if policy.unit == "chunk":
+        return (
+            f"{name}.threshold with unit=chunk: chunks are ranked by their summed scores, so no per-pair "
+            "priority is left to compare with a threshold; use unit=token (or a budget with unit=chunk)"
+        )
     if at == "always" and not type(policy).adaptive_decode:
         return (
             f"{name}.threshold={policy.threshold} with evict_at='always': once heads keep their own counts "

@@ -15,6 +15,7 @@ from kvcompress.selectors.eviction.keydiff import keydiff_scores
 G = torch.Generator().manual_seed(7)
 IDS = torch.randint(2, 95, (1, 48), generator=G)
 STEPS = torch.randint(2, 95, (1, 5), generator=G)
+TWO_SIZES = r"one of budget \(.*\) or compression_ratio \([^)]*\); got budget=4, compression_ratio=0.5$"
 
 
 @torch.inference_mode()
@@ -68,6 +69,9 @@ def test_snapkv_evicting_always_recompresses_at_every_decode_step(llama):
         ("snapkv", {"threshold": 0.1, "storage": "quant"}, r"snapkv.threshold=0.1 stores each head's own"),
         ("snapkv", {"threshold": 0.1, "compression_ratio": 0.5}, r"set exactly one of budget .*threshold"),
         ("h2o", {"evict_at": "sometimes"}, r"h2o.evict_at='sometimes' is not supported; allowed"),
+        ("h2o", {"threshold": 0.5, "compression_ratio": None, "unit": "chunk"}, r"threshold with unit=chunk"),
+        ("block_evict", {"budget": 4, "compression_ratio": 0.5}, TWO_SIZES),
+        ("pyramidkv", {"budget": 4, "compression_ratio": 0.5}, TWO_SIZES),
     ],
 )
 def test_combinations_that_cannot_work_are_refused_by_name(name, fields, match):
