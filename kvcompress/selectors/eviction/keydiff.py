@@ -4,9 +4,9 @@ Park et al., "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context L
 Resource-Constrained Environments", arXiv 2504.15364. Each stored key is ranked by its cosine similarity to
 the anchor, the mean of the layer's unit keys (per row and KV head): the most similar are the most
 redundant and go first. The ranking reads keys only, so the step asks attention for no probabilities and
-any backend of the dense read serves it, the model's own SDPA or flash attention included. It needs every
-stored key as a tensor, so over quantized storage each step reads the dequantized copy (never the codes in
-place).
+any backend of the dense read serves it, the model's own SDPA or flash attention included. A step that
+evicts needs every stored key as a tensor, so over quantized storage it reads the dequantized copy: every
+decode step with ``evict_at: always``; with ``prefill`` decode steps read the codes in place.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvcompress.selectors.eviction.base import EvictionLayer, EvictionPolicy
+from kvcompress.selectors.eviction.base import EvictionPolicy
+from kvcompress.selectors.eviction.key_scored import KeyScoredLayer
 from kvcompress.selectors.eviction.when import EVICT_AT
 
 
@@ -33,23 +34,11 @@ def keydiff_scores(key: torch.Tensor, valid: torch.Tensor | None) -> torch.Tenso
     return -(unit * F.normalize(anchor, dim=-1)).sum(-1)  # (B, H_kv, T)
 
 
-class KeyDiffLayer(EvictionLayer):
-    """Once the layer holds more than its target, keeps each KV head's ``k`` most distinctive keys, after
-    the step's attention read them all. The ranking does not depend on stored order, so a decode step's
-    one eviction moves the newest token into the hole (O(1))."""
+class KeyDiffLayer(KeyScoredLayer):
+    """Keeps each KV head's ``k`` most distinctive keys."""
 
-    order_free = True
-    observed_probs = "none"  # observes after attention, from the keys alone
-
-    def never_crops(self) -> str | None:
-        """None: the layer's only state is its keys, so a crop is exact wherever no eviction happened among
-        the tokens it removes (``core.rollback`` checks that)."""
-        return None
-
-    def observe_attention(self, query, key, scaling: float, probs=None) -> None:
-        k = self.target()
-        if self.stored_length() > k:
-            self.select(keydiff_scores(key, self.valid), k)
+    def key_scores(self, key: torch.Tensor) -> torch.Tensor:
+        return keydiff_scores(key, self.valid)
 
 
 @dataclass

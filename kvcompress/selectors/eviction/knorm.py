@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress.core.fields import Choice
-from kvcompress.selectors.eviction.base import EvictionLayer, EvictionPolicy
+from kvcompress.selectors.eviction.base import EvictionPolicy
+from kvcompress.selectors.eviction.key_scored import KeyScoredLayer
 from kvcompress.selectors.eviction.when import EVICT_AT
 
 
@@ -25,23 +26,11 @@ def knorm_scores(key: torch.Tensor) -> torch.Tensor:
     return -torch.linalg.vector_norm(key, dim=-1, dtype=torch.promote_types(key.dtype, torch.float32))
 
 
-class KnormLayer(EvictionLayer):
-    """Once the layer holds more than its target, keeps each KV head's ``k`` lowest-norm keys. The ranking
-    does not depend on stored order, so a decode step's one eviction (``evict_at: always``) moves the newest
-    token into the hole (O(1))."""
+class KnormLayer(KeyScoredLayer):
+    """Keeps each KV head's ``k`` lowest-norm keys."""
 
-    order_free = True
-    observed_probs = "none"  # observes after attention, from the keys alone
-
-    def never_crops(self) -> str | None:
-        """None: each key's score is its own norm, so a crop is exact wherever no eviction happened among
-        the tokens it removes (``core.rollback`` checks that)."""
-        return None
-
-    def observe_attention(self, query, key, scaling: float, probs=None) -> None:
-        k = self.target()
-        if self.stored_length() > k:
-            self.select(knorm_scores(key), k)
+    def key_scores(self, key: torch.Tensor) -> torch.Tensor:
+        return knorm_scores(key)
 
 
 @dataclass
