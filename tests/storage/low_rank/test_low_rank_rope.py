@@ -1,5 +1,6 @@
-"""Pre-RoPE low-rank keys: the model's own rotary embedding inverted exactly, full rank equal to ``full`` on
-Llama, Qwen2, partial rotary (Phi-3), scaled RoPE (Llama-3, YaRN) and NoPE layers (SmolLM3)."""
+"""Pre-RoPE low-rank keys: full rank equal to ``full`` on Llama, Qwen2, partial rotary (Phi-3), scaled RoPE
+(Llama-3, YaRN) and NoPE layers (SmolLM3), through the model's own rotary embedding inverted exactly (its own
+tests: tests/storage/test_rope.py)."""
 
 from __future__ import annotations
 
@@ -20,42 +21,6 @@ FAMILIES = ["llama", "qwen2", "phi3_partial", "llama3", "yarn", "smollm3_nope"]
 def policy(tmp_path, **kw):
     base = {"calibration_text": "random", "calibration_tokens": 64, "calibration_dir": str(tmp_path)}
     return LowRankPolicy(**{**base, **kw})
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_unrotate_then_rotate_is_identity(family):
-    rope = model_ropes(make_rope_model(family), 3)[0]
-    x = torch.randn(2, 2, 9, 16)
-    pos = torch.randint(0, 500, (2, 2, 9))
-    torch.testing.assert_close(rope.rotate(rope.unrotate(x, pos), pos), x, atol=1e-5, rtol=0)
-    torch.testing.assert_close(rope.unrotate(rope.rotate(x, pos), pos), x, atol=1e-5, rtol=0)
-
-
-def _pre_and_post(model, tokens):
-    """Keys of layer 0 as projected (pre-RoPE, k_norm included) and as the cache received them."""
-    seen = {}
-    attn = model.model.layers[0].self_attn
-    proj = getattr(attn, "k_proj", None) or attn.qkv_proj
-    hook = proj.register_forward_hook(lambda m, i, o: seen.setdefault("proj", o))
-    cache = DynamicCache(config=model.config)
-    with torch.inference_mode():
-        model(tokens, cache=cache)
-    hook.remove()
-    return seen["proj"], cache.layers[0].keys
-
-
-@pytest.mark.parametrize("family", ["llama", "phi3_partial", "llama3", "yarn"])
-def test_rope_is_the_models_own_rotation(family, tokens):
-    model = make_rope_model(family)
-    proj, post = _pre_and_post(model, tokens[:, :20])
-    d, h = 16, 2
-    if family == "phi3_partial":  # fused qkv: the keys follow the 4 query heads
-        proj = proj[..., 4 * d : 6 * d]
-    pre = proj.view(1, 20, h, d).transpose(1, 2)  # (1, H_kv, T, D)
-    pos = torch.arange(20).expand(1, h, 20)
-    rope = model_ropes(model, 3)[0]
-    torch.testing.assert_close(rope.rotate(pre, pos), post, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(rope.unrotate(post, pos), pre, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("keys", ["pre_rope", "post_rope"])
