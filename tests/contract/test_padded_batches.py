@@ -31,12 +31,6 @@ def _logits(model, policy, rows):
     return torch.cat(out, 1)
 
 
-def test_left_pad_pads_on_the_left_and_drops_the_mask_without_padding():
-    ids, mask = left_pad([torch.tensor([[5, 6, 7]]), torch.tensor([[8]])], pad_id=0)
-    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
-    assert left_pad([torch.tensor([[5, 6]]), torch.tensor([[8, 9]])])[1] is None
-
-
 RUN = [(c, i) for c, i in zip(CELLS, IDS, strict=True) if cell_policy(*c).refusal() is None]
 
 

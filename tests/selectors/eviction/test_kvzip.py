@@ -18,7 +18,6 @@ from kvcompress.core.policy import ModelSpec
 from kvcompress.core.registry import make_storage
 from kvcompress.runtime.context_pass import (
     PassView,
-    Prompts,
     needs_context_pass,
     prefill,
     reconstruction_chunks,
@@ -140,12 +139,6 @@ def test_without_the_context_pass_nothing_is_evicted(model):
     assert all(s["tokens_evicted"] == 0 and s["context_passes"] == 0 for s in stats)
 
 
-def test_refusals_name_the_problem(model):
-    with pytest.raises(RuntimeError, match="needs a prefilled cache"):
-        compress_context(model, build_cache("kvzip", model), _ids(8))
-    assert compress_context(model, build_cache("snapkv", model), _ids(8)) == {"context_pass": False}
-
-
 @pytest.mark.parametrize("other", ["FullPolicy", "H2OPolicy"])
 def test_layers_of_other_selectors_in_a_schedule_store_none_of_the_pass(model, other):
     """A schedule mixing kvzip with another selector: the other layer sees the reconstruction as the model
@@ -165,17 +158,6 @@ def test_layers_of_other_selectors_in_a_schedule_store_none_of_the_pass(model, o
     assert {k: v for k, v in cache.layers[0].stats().items() if k != "bytes"} == before
     assert cache.layers[0].stored_length() == 8 and not isinstance(cache.layers[0], PassView)
     assert all(layer.stored_length() == 4 for layer in cache.layers[1:])
-
-
-def test_reconstruction_chunks_quote_the_previous_tokens_and_right_pad_shorter_rows():
-    ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
-    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])  # row 0 is left-padded: its context is 5 6 7
-    chunks = list(reconstruction_chunks(ids, mask, Prompts([90], [91], [92], []), 2))
-    assert chunks[0][0].tolist() == [[90, 92, 5, 6], [90, 92, 1, 2]] and chunks[0][1] is None
-    assert chunks[1][0].tolist() == [[91, 5, 6, 92, 7, 0], [91, 1, 2, 92, 3, 4]]
-    assert chunks[1][1].tolist() == [[True] * 5 + [False], [True] * 6]
-    assert chunks[2][0].tolist() == [[0] * 7, [91, 1, 2, 3, 4, 92, 5]]
-    assert chunks[2][1].tolist() == [[False] * 7, [True] * 7]
 
 
 @torch.inference_mode()
