@@ -98,8 +98,9 @@ def test_check_policy_passes_a_plugin_and_fails_a_broken_one(tmp_path, monkeypat
     assert "PASS seq_length_is_absolute_position [llama]" in out and "2 of 2 passed" in out
     (tmp_path / "conf" / "policy").mkdir(parents=True)
     (tmp_path / "broken_plug.py").write_text(
-        "from dataclasses import dataclass\nfrom example_selector import VnormLayer, VnormPolicy\n\n\n"
-        "class Stored(VnormLayer):\n    def get_seq_length(self, *a, **k):\n"
+        "from dataclasses import dataclass\nfrom example_selector import VnormPolicy\n"
+        "from kvcompress.selectors.eviction.scorer import ScorerLayer\n\n\n"
+        "class Stored(ScorerLayer):\n    def get_seq_length(self, *a, **k):\n"
         "        return self.stored_length()  # the stored tokens: wrong after an eviction\n\n\n"
         "@dataclass\nclass Broken(VnormPolicy):\n    layer_class = Stored\n"
     )

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvcompress.core.fields import Choice
 from kvcompress.selectors.eviction.base import EvictionPolicy
-from kvcompress.selectors.eviction.key_scored import KeyScoredLayer
+from kvcompress.selectors.eviction.scorer import ScorerPolicy, Step
 from kvcompress.selectors.eviction.when import EVICT_AT
 
 
@@ -34,25 +35,20 @@ def keydiff_scores(key: torch.Tensor, valid: torch.Tensor | None) -> torch.Tenso
     return -(unit * F.normalize(anchor, dim=-1)).sum(-1)  # (B, H_kv, T)
 
 
-class KeyDiffLayer(KeyScoredLayer):
-    """Keeps each KV head's ``k`` most distinctive keys."""
-
-    def key_scores(self, key: torch.Tensor) -> torch.Tensor:
-        return keydiff_scores(key, self.valid)
-
-
 @dataclass
-class KeyDiffPolicy(EvictionPolicy):
+class KeyDiffPolicy(ScorerPolicy):
     """Keep, per layer and KV head, the ``budget`` (or ``1 - compression_ratio``) keys least similar to
     the mean key (KeyDiff, arXiv 2504.15364); needs no attention scores. ``evict_at: always`` is the
     paper's: a fixed cache size throughout, the prompt processed block by block and every decode step
     evicting; ``prefill`` ranks the prompt once, as kvpress's ``KeyDiffPress``."""
 
-    layer_class = KeyDiffLayer
-    FORMULA = True  # the inherited kept_tokens()/state_bytes() describe it exactly
-    TEST_PARAMS = {"budget": 12, "compression_ratio": None}  # makes a 48-token test compress
     MEMORY_VARIANTS = [
         {"budget": None, "compression_ratio": 0.25},
         {"budget": 10, "compression_ratio": None, "evict_at": "prefill"},
     ]
     FUZZ = [{**alt, "evict_at": list(EVICT_AT)} for alt in EvictionPolicy.FUZZ]
+
+    evict_at: str = Choice("always", EVICT_AT)  # the paper's: every decode step evicts
+
+    def score(self, step: Step) -> torch.Tensor:
+        return keydiff_scores(step.keys, step.valid)

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.fields import Choice
 from kvcompress.selectors.eviction.base import EvictionPolicy
-from kvcompress.selectors.eviction.key_scored import KeyScoredLayer
+from kvcompress.selectors.eviction.scorer import ScorerPolicy, Step
 from kvcompress.selectors.eviction.when import EVICT_AT
 
 
@@ -26,26 +25,17 @@ def knorm_scores(key: torch.Tensor) -> torch.Tensor:
     return -torch.linalg.vector_norm(key, dim=-1, dtype=torch.promote_types(key.dtype, torch.float32))
 
 
-class KnormLayer(KeyScoredLayer):
-    """Keeps each KV head's ``k`` lowest-norm keys."""
-
-    def key_scores(self, key: torch.Tensor) -> torch.Tensor:
-        return knorm_scores(key)
-
-
 @dataclass
-class KnormPolicy(EvictionPolicy):
+class KnormPolicy(ScorerPolicy):
     """Keep, per layer and KV head, the ``budget`` (or ``1 - compression_ratio``) keys with the smallest L2
     norm (Devoto et al., arXiv 2406.11430); needs no attention scores. ``evict_at: prefill`` (the default)
     ranks the prompt once, as kvpress's ``KnormPress``; ``always`` evicts at every decode step too."""
 
-    layer_class = KnormLayer
-    FORMULA = True  # the inherited kept_tokens()/state_bytes() describe it exactly
-    TEST_PARAMS = {"budget": 12, "compression_ratio": None}  # makes a 48-token test compress
     MEMORY_VARIANTS = [
         {"budget": None, "compression_ratio": 0.25},
         {"budget": 10, "compression_ratio": None, "evict_at": "always"},
     ]
     FUZZ = [{**alt, "evict_at": list(EVICT_AT)} for alt in EvictionPolicy.FUZZ]
 
-    evict_at: str = Choice("prefill", EVICT_AT)  # kvpress's ScorerPress: the prompt once, decode appended
+    def score(self, step: Step) -> torch.Tensor:
+        return knorm_scores(step.keys)
