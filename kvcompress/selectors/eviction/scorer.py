@@ -57,6 +57,8 @@ class ScorerLayer(EvictionLayer):
     def __init__(self, policy, layer_idx, spec, store):
         super().__init__(policy, layer_idx, spec, store)
         self.observed_probs = "last" if policy.asks == "attention" else "none"
+        # scored from the decode query's probabilities alone, which a backend computes from the codes too
+        self.reads_as_stored = self.reads_as_stored or policy.asks == "attention"
         self.order_free = self.order_free and policy.protect == 0  # a protected tail is found by order
 
     order_free = True

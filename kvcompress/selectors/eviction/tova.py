@@ -7,37 +7,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcompress.selectors.eviction.base import EvictionLayer, EvictionPolicy
+import torch
+
+from kvcompress.core.fields import Choice
+from kvcompress.selectors.eviction.base import EvictionPolicy
+from kvcompress.selectors.eviction.scorer import ScorerPolicy, Step
 from kvcompress.selectors.eviction.when import EVICT_AT
 
 
-class TOVALayer(EvictionLayer):
-    """Stateless besides the keys/values: the scores come from the current query only, so stored order
-    never matters and a decode step's single eviction moves the newest token into the hole (O(1))."""
-
-    order_free = True
-    reads_as_stored = True  # scored by the decode query over every stored token: over quant, from the codes
-
-    def observe_attention(self, query, key, scaling: float, probs=None) -> None:
-        k = self.target()
-        if not (self.due() if self.flat else self.stored_length() > k):
-            return
-        last = self.scores(query, key, scaling, 1, probs)  # (B, H_kv, 1, T)
-        if self.policy.adaptive:  # each head's own scores: its pairs compete with the other heads'
-            self.select(last[:, :, 0], k)
-        else:
-            self.select(last[:, :, 0].mean(dim=1, keepdim=True), k)  # (B, 1, T)
-
-
 @dataclass
-class TOVAPolicy(EvictionPolicy):
+class TOVAPolicy(ScorerPolicy):
     """Once the layer holds more than its budget, drop the tokens with the lowest attention from the
     step's last query, averaged over all heads of the layer (the paper's layer-wise variant: every head
     keeps the same tokens, as in the authors' cache). Nothing is protected, not even the newest token.
     ``evict_at: always`` (the paper's: a multi-state RNN drops one state per generated token); ``prefill``
     ranks the prompt by its last query once, as kvpress's ``TOVAPress``."""
 
-    layer_class = TOVALayer
+    asks = "attention"  # the last query's probabilities: over quant, from the codes
     adaptive_decode = True  # scored by the decode query alone: pairs can compete across heads at each step
     FORMULA = True  # the memory formulas below are this class's own
     TEST_PARAMS = {"budget": 12, "compression_ratio": None}
@@ -46,3 +32,11 @@ class TOVAPolicy(EvictionPolicy):
         {"budget": 10, "compression_ratio": None, "evict_at": "prefill"},
     ]
     FUZZ = [{**alt, "evict_at": list(EVICT_AT)} for alt in EvictionPolicy.FUZZ]
+
+    evict_at: str = Choice("always", EVICT_AT)  # the paper's: one state dropped per generated token
+
+    def score(self, step: Step) -> torch.Tensor:
+        """The step's last query's attention (B, H_kv, T), each KV head's own with ``adaptive`` (its pairs
+        compete with the other heads'), else averaged over the layer (B, 1, T)."""
+        last = step.attention(1)[:, :, 0]
+        return last if self.adaptive else last.mean(dim=1, keepdim=True)

@@ -13,7 +13,7 @@ import torch
 from conftest import make_tiny
 
 from kvcompress import build_cache
-from kvcompress.selectors.eviction.tova import TOVALayer
+from kvcompress.selectors.eviction.scorer import ScorerLayer
 from kvcompress.storage.quant.kivi import QuantStore
 
 STORAGE = {"name": "quant", "bits": 4, "group_size": 4, "recent": 8, "key_axis": "token"}
@@ -46,7 +46,7 @@ def test_in_place_eviction_keeps_the_same_tokens_codes_and_bytes_as_keep(policy,
     if policy == "h2o":
         params["recent"] = 4
     else:  # TOVA keeps no positions; tracking them (unused by its choice) tells which tokens were kept
-        monkeypatch.setattr(TOVALayer, "needs_positions", True)
+        monkeypatch.setattr(ScorerLayer, "needs_positions", True)
     fast = build_cache(policy, model, **params)
     moved = []
     evict = QuantStore.evict_one
