@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Speed on the embedded model (SmolLM2-135M, float32, CPU, one thread per process): the decode ratio of the
-# C++ quant kernel and the other compressed caches to full, lm-eval batching, the 1k-8k scaling table, and
-# kvzip's context pass stage by stage.
-# `bash experiments/speed/run.sh [decode|paired|evict|lm_eval|scaling|kvzip|step]` (all by default); resumable:
-# finished records are skipped. Records: experiments/speed/runs/<name>/results.json (decode:
+# C++ quant kernel and the other compressed caches to full, lm-eval batching, the 1k-8k scaling table,
+# kvzip's context pass stage by stage, and the decode table by policy and storage.
+# `bash experiments/speed/run.sh [decode|paired|evict|lm_eval|scaling|kvzip|step|table]` (all by default);
+# resumable: finished records are skipped. Records: experiments/speed/runs/<name>/results.json (decode:
 # experiments/fused/decode_4k_kernel.json).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -133,5 +133,13 @@ if [[ $what == all || $what == step ]]; then
     [ -f $S/bound_$n.json ] || $PY experiments/fused/decode_speed.py $S/bound_$n.json $n 5 8 --paired \
       full full_half dynamic int4_token h2o_0.5 h2o_0.5_int4
   done
+fi
+if [[ $what == all || $what == table ]]; then
+  # decode speed by policy and storage (the three decode targets): DynamicCache, full, full over the first
+  # half of the prompt, int4 (quant), and h2o, snapkv and kvzip at 0.5 over dense and over int4, at 512, 4096
+  # and 8000 tokens, in one process: each cache prefilled once per length, then a warm-up round and 5 timed
+  # rounds of 32 tokens each, every cache restored to its post-prompt state before its turn
+  done_ok $R/decode_table/results.json || $PY experiments/speed/decode_table.py --out $R/decode_table \
+    --lengths 512 4096 8000 --decode-tokens 32 --warmup 1 --repeats 5
 fi
 $PY scripts/collect.py $R || true
