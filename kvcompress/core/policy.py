@@ -55,6 +55,7 @@ class Policy:
     FUZZ: ClassVar[dict | list] = {}
     MAX_MEMORY_RATIO: ClassVar[float] = 1.05
     FORMULA: ClassVar[bool] = False  # True in a class whose kept_tokens/state_bytes describe it exactly
+    FORMULA_HERITABLE: ClassVar[bool] = False  # True: FORMULA holds for subclasses that keep the formulas
     MEMORY_VARIANTS: ClassVar[list] = []  # field sets beyond TEST_PARAMS the memory model is checked at
 
     storage: object = field(default=None, kw_only=True)

@@ -31,8 +31,13 @@ def layer_bytes(policy: Policy, s: Shape, layer_idx: int, window: int | None = N
 
 
 def declares_formula(cls) -> bool:
-    """Whether ``cls`` itself (not only a parent) declares ``FORMULA = True``: its formulas are its own."""
-    return bool(cls.__dict__.get("FORMULA", False))
+    """Whether ``cls``'s formulas are its own: it declares ``FORMULA = True`` itself (not only a parent), or
+    its base says its formulas hold for every subclass (``FORMULA_HERITABLE``: a scorer keeps no state of
+    its own) and it writes neither ``kept_tokens`` nor ``state_bytes``."""
+    if "FORMULA" in cls.__dict__:
+        return bool(cls.__dict__["FORMULA"])
+    own = {"kept_tokens", "state_bytes"} & set(cls.__dict__)
+    return bool(getattr(cls, "FORMULA_HERITABLE", False)) and not own
 
 
 def predicted_bytes(

@@ -63,6 +63,12 @@ class ScorerLayer(EvictionLayer):
 
     order_free = True
 
+    def never_crops(self) -> str | None:
+        """A scorer of the stored keys alone crops exactly wherever no eviction happened among the tokens a
+        crop removes (``core.rollback`` checks that); one that reads queries decides from every query's
+        attention when it evicts at decode steps (``EvictionLayer.never_crops``)."""
+        return None if self.policy.asks == "keys" else super().never_crops()
+
     def observe_attention(self, query, key, scaling: float, probs=None) -> None:
         k = self.target()
         if not (self.due() if self.flat else self.stored_length() > k):
@@ -83,6 +89,7 @@ class ScorerPolicy(EvictionPolicy):
     layer_class = ScorerLayer
     asks: ClassVar[str] = "keys"
     FORMULA = True  # no per-token state: the inherited kept_tokens() / state_bytes() describe it exactly
+    FORMULA_HERITABLE = True  # and every scorer's, which holds no state of its own (``declares_formula``)
     TEST_PARAMS = {"budget": 12, "compression_ratio": None}  # makes a 48-token test compress
 
     evict_at: str = Choice("prefill", EVICT_AT)  # kvpress's ScorerPress: the prompt once
