@@ -168,3 +168,15 @@ def readme_commands() -> list[list[str]]:
     (block,) = [b for b in code_blocks("bash") if "kvcompress compare" in b]
     lines = block.replace("\\\n", " ").splitlines()
     return [shlex.split(line, comments=True) for line in lines if line.startswith("kvcompress")]
+
+
+def interleaved_rotary(q, k, cos, sin):
+    """A rotary function with GPT-J's pairing, (2e, 2e + 1): not the half-split pairing of the RoPE table
+    and kernel (what a model with another pairing hands ``Rope``)."""
+
+    def turn(x):
+        a, b = x[..., 0::2], x[..., 1::2]
+        c, s = cos[..., 0::2], sin[..., 0::2]
+        return torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2)
+
+    return turn(q), turn(k)

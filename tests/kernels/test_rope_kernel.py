@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 from conftest import kernel_or_skip, make_tiny
-from helpers import stream_logits
+from helpers import interleaved_rotary, stream_logits
 from transformers import LlamaConfig, LlamaForCausalLM
 from zoo import ROPE, ROPE_TINY, make_rope_model
 
@@ -110,21 +110,10 @@ def test_the_models_rotations_fit_the_kernel(family):
     torch.testing.assert_close(rope_table.rotate_halves(x, cos[:40], sin[:40]), want, rtol=1e-5, atol=1e-6)
 
 
-def _interleaved(q, k, cos, sin):
-    """GPT-J's pairing, (2e, 2e + 1): not the kernel's."""
-
-    def turn(x):
-        a, b = x[..., 0::2], x[..., 1::2]
-        c, s = cos[..., 0::2], sin[..., 0::2]
-        return torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2)
-
-    return turn(q), turn(k)
-
-
 def test_another_pairing_keeps_the_model_module_path():
     model = make_rope_model("llama")
     mine = model_ropes(model, 3)[0]
-    rope = Rope(mine.rotary, _interleaved)
+    rope = Rope(mine.rotary, interleaved_rotary)
     assert not rope.fits_kernel(16)
     q, coef, dec = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 4, 3), torch.randn(2, 16, 3)
     pos = torch.arange(4, dtype=torch.int32).expand(1, 2, 4)

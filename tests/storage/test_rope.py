@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 from conftest import make_tiny
+from helpers import interleaved_rotary
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from zoo import ROPE, ROPE_TINY, make_family, make_rope_model
 
@@ -189,22 +190,11 @@ def test_inverted_rows_undo_a_rotation_and_rotate_halves_leaves_the_other_channe
     torch.testing.assert_close(rope_table.rotate_halves(turned, *rope_table.inverted(cos, sin)), x)
 
 
-def _interleaved(q, k, cos, sin):
-    """GPT-J's pairing, (2e, 2e + 1): not the table's."""
-
-    def turn(x):
-        a, b = x[..., 0::2], x[..., 1::2]
-        c, s = cos[..., 0::2], sin[..., 0::2]
-        return torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2)
-
-    return turn(q), turn(k)
-
-
 def test_matches_only_where_the_model_pairs_channels_by_halves(no_kernel):
     mine = model_ropes(make_tiny("llama"), 3)[0]
     assert rope_table.matches(mine, mine.table, D) and mine.fits_kernel(D) and mine._fits == {D: True}
     assert not rope_table.matches(mine, mine.table, D // 2)  # fewer channels than the rotary dims
-    other = Rope(mine.rotary, _interleaved)
+    other = Rope(mine.rotary, interleaved_rotary)
     assert not other.fits_kernel(D) and other._rows(torch.zeros(1, 1, 3, dtype=torch.long), D, False) is None
     x, pos = torch.randn(1, 1, 3, D), torch.tensor([[[0, 5, 9]]])
     assert torch.equal(other.rotate(x, pos), other.rotate_by_module(x, pos))  # the module, the model's pairs
