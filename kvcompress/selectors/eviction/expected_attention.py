@@ -19,8 +19,9 @@ import torch
 
 from kvcompress.core.fields import Bool, Choice, Int
 from kvcompress.core.policy import Shape
-from kvcompress.selectors.eviction.base import EvictionLayer, EvictionPolicy
+from kvcompress.selectors.eviction.base import EvictionPolicy
 from kvcompress.selectors.eviction.rope import mean_rotation, rope_frequencies, rotate
+from kvcompress.selectors.eviction.scorer import ScorerPolicy, Step
 from kvcompress.selectors.eviction.when import EVICT_AT
 
 
@@ -69,33 +70,8 @@ def expected_scores(mean, cov, keys, values, scaling: float, valid=None, value_n
     return scores * values.float().norm(dim=-1) if value_norm else scores
 
 
-class ExpectedAttentionLayer(EvictionLayer):
-    """Scores the stored pairs at each step of several tokens (prefill) that leaves more than the target;
-    decode tokens are appended. Stateless besides the keys and values."""
-
-    def observe_attention(self, query, key, scaling: float, probs=None) -> None:
-        p, k, q = self.policy, self.target(), query.shape[2]
-        if q == 1 or self.stored_length() <= k:
-            return
-        inv_freq = p.frequencies(self.layer_idx)
-        real = torch.ones(query.shape[0], q, dtype=torch.bool, device=query.device)
-        if self.valid is not None:
-            real = self.valid[:, 0, -q:]
-        weight = real.float()
-        if self.seen == q:  # the first step holds the sinks: outliers, left out of the statistics
-            weight = weight * (real.cumsum(-1) > p.sink_tokens)
-        mean, cov = query_statistics(query, inv_freq, weight)
-        turn = mean_rotation(inv_freq.to(query.device), p.future_positions)  # (D, D)
-        mean, cov = mean @ turn.mT, (turn @ cov @ turn.mT if p.covariance else None)
-        values = self.store.read()[1]
-        sinks = self.first_real(p.sink_tokens, key.shape[-2], key.device)  # kept whatever their score
-        scored = ~sinks if self.valid is None else self.valid & ~sinks  # sinks out of the softmax (kvpress)
-        scores = expected_scores(mean, cov, key, values, scaling, scored, p.value_norm)
-        self.select(scores, k, pinned=sinks)
-
-
 @dataclass
-class ExpectedAttentionPolicy(EvictionPolicy):
+class ExpectedAttentionPolicy(ScorerPolicy):
     """Keep, per layer and KV head, the ``budget`` (or ``1 - compression_ratio``) pairs with the highest
     expected attention from the next ``future_positions`` queries, plus the first ``sink_tokens``.
 
@@ -110,7 +86,6 @@ class ExpectedAttentionPolicy(EvictionPolicy):
         value_norm: multiply the expected attention by each value's norm.
     """
 
-    layer_class = ExpectedAttentionLayer
     prefill_only = (
         "its scores are moments of a step's queries (mean and covariance), which a one-token decode step "
         "cannot estimate"
@@ -143,6 +118,29 @@ class ExpectedAttentionPolicy(EvictionPolicy):
                 "expected_attention needs the model's RoPE: build it with build_cache(policy, model)"
             )
         return self.rope[layer_idx]
+
+    def pinned(self, step: Step) -> torch.Tensor:
+        """The first ``sink_tokens`` real tokens, kept whatever their score."""
+        return step.first_real(self.sink_tokens)
+
+    def score(self, step: Step) -> torch.Tensor:
+        """Expected attention (B, H_kv, T) of the stored pairs under the step's query statistics (a step of
+        several tokens: ``evict_at`` is prefill only), the sinks left out of the softmax (kvpress)."""
+        query, valid = step.query, step.valid
+        inv_freq = self.frequencies(step.layer_idx)
+        q = query.shape[2]
+        real = torch.ones(query.shape[0], q, dtype=torch.bool, device=query.device)
+        if valid is not None:
+            real = valid[:, 0, -q:]
+        weight = real.float()
+        if step.seen == q:  # the first step holds the sinks: outliers, left out of the statistics
+            weight = weight * (real.cumsum(-1) > self.sink_tokens)
+        mean, cov = query_statistics(query, inv_freq, weight)
+        turn = mean_rotation(inv_freq.to(query.device), self.future_positions)  # (D, D)
+        mean, cov = mean @ turn.mT, (turn @ cov @ turn.mT if self.covariance else None)
+        sinks = self.pinned(step)
+        scored = ~sinks if valid is None else valid & ~sinks
+        return expected_scores(mean, cov, step.keys, step.values, step.scaling, scored, self.value_norm)
 
     def kept_tokens(self, s: Shape) -> int:
         """The prompt compressed to ``min(n, keep_count(n))``; decode tokens appended."""

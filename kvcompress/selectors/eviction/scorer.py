@@ -45,6 +45,14 @@ class Step:
         dequantized copy)."""
         return self.layer.stored_values()
 
+    @property
+    def layer_idx(self) -> int:
+        return self.layer.layer_idx
+
+    def first_real(self, n: int) -> torch.Tensor:
+        """(B or 1, 1 or H_kv, T) bool: each row's first ``n`` real stored tokens (attention sinks)."""
+        return self.layer.first_real(n, self.keys.shape[-2], self.keys.device)
+
     def attention(self, window: int = 1) -> torch.Tensor:
         """(B, H_kv, w, T) float32 attention of the last ``window`` queries, averaged over each KV group's
         query heads (the decode query's own probabilities where the backend computed them)."""
@@ -74,7 +82,8 @@ class ScorerLayer(EvictionLayer):
         if not (self.due() if self.flat else self.stored_length() > k):
             return
         step = Step(query, key, self.valid, self.seen, scaling, self, probs)
-        self.select(self.policy.score(step), k, protect=min(self.policy.protect, k))
+        scores, pinned = self.policy.score(step), self.policy.pinned(step)
+        self.select(scores, k, protect=min(self.policy.protect, k), pinned=pinned)
 
     def stored_values(self) -> torch.Tensor:
         return self.store.read()[1]
@@ -103,6 +112,10 @@ class ScorerPolicy(EvictionPolicy):
     def protect(self) -> int:
         """Newest tokens kept first at every eviction (0: none, as kvpress's scorers)."""
         return 0
+
+    def pinned(self, step: Step) -> torch.Tensor | None:
+        """(B or 1, 1 or H_kv, T) bool: tokens kept first whatever their score (sinks), or None."""
+        return None
 
     def score(self, step: Step) -> torch.Tensor:
         """(B, 1 or H_kv, T) priority of each stored token, higher kept."""
