@@ -33,6 +33,7 @@ import torch
 
 from kvcompress.core import attention
 from kvcompress.core.torch_attention import window_scores
+from kvcompress.selectors.eviction.when import kept_pairs
 
 SAFE = 1e9  # added to a head's safeguarded tokens: above every score, below pinned tokens (base._BIG)
 
@@ -149,14 +150,7 @@ class AdaptiveHeads:
         h = self.spec.num_kv_heads
         best = prio.expand(-1, h, -1).masked_fill(~self._members(h), -torch.inf).argmax(dim=-1)  # (B, H_kv)
         keep = (prio[:, 0] >= self.threshold).scatter(-1, best, True)  # (B, N)
-        counts = keep.sum(-1).tolist()
-        if len(set(counts)) > 1:
-            raise ValueError(
-                f"{self.policy.name}.threshold: the rows of this batch keep {counts} pairs, and a layer "
-                "holds one flat axis of pairs for every row; run one sequence at a time (batch 1) with a "
-                "threshold"
-            )
-        return self.keep(keep.nonzero()[:, 1].view(keep.shape[0], 1, counts[0]), is_sorted=True)
+        return self.keep(kept_pairs(keep, self.policy.name)[:, None], is_sorted=True)
 
     def keep(self, idx: torch.Tensor, is_sorted: bool = False) -> torch.Tensor:
         if not self.flat:

@@ -42,7 +42,7 @@ class KVzapLayer(EvictionLayer):
         super().on_append(key_states, new_valid)
         new = self.score(self.hidden)  # (B, H_kv, q)
         self.hidden = None
-        if getattr(self, "flat", False):  # heads keep their own counts (threshold, adaptive): pair t * H + h
+        if self.flat:  # heads keep their own counts (threshold, adaptive): pair t * H + h
             new = new.transpose(1, 2).reshape(new.shape[0], 1, -1)
         self.zscore = new if self.zscore is None else self.slots.grow("zscore", self.zscore, new)
 

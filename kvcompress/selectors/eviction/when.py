@@ -83,11 +83,17 @@ def threshold_pairs(prio: torch.Tensor, threshold: float, name: str) -> torch.Te
     b, h, t = prio.shape
     best = prio.argmax(dim=-1, keepdim=True)  # (B, H_kv, 1): a head is never left empty
     keep = (prio >= threshold).scatter(-1, best, True)
-    flat = keep.transpose(1, 2).reshape(b, t * h)  # pair t * H + h
-    counts = flat.sum(-1).tolist()  # the one read-back of a thresholded eviction
+    return kept_pairs(keep.transpose(1, 2).reshape(b, t * h), name)  # pair t * H + h
+
+
+def kept_pairs(keep: torch.Tensor, name: str) -> torch.Tensor:
+    """Indices (B, N) of the True entries of ``keep`` (B, pairs), ascending: the one read-back of an
+    eviction by threshold (how many pass is data-dependent). Rows must keep the same number of pairs, a
+    layer holding one flat axis of pairs for every row."""
+    counts = keep.sum(-1).tolist()
     if len(set(counts)) > 1:
         raise ValueError(
             f"{name}.threshold: the rows of this batch keep {counts} pairs, and a layer holds one flat axis "
             "of pairs for every row; run one sequence at a time (batch 1) with a threshold"
         )
-    return flat.nonzero()[:, 1].view(b, counts[0])
+    return keep.nonzero()[:, 1].view(keep.shape[0], counts[0])
