@@ -14,8 +14,8 @@ import torch
 
 # Structure rebuilt by build_cache (policy, shapes, configs), buffer bookkeeping, and transient views;
 # rope comes from the model, probe/read_pos are a fidelity probe's (kvcompress.metrics.fidelity), hidden is
-# the hidden states a step hands a layer that asked for them (kvzap), consumed within that step; decode_evicts
-# is read off the policy.
+# the hidden states a step hands a layer that asked for them (kvzap), consumed within that step;
+# decode_evicts, reads_as_stored, observed_probs and order_free are read off the policy when a layer is built.
 SKIP = frozenset(
     {
         "policy",
@@ -30,6 +30,9 @@ SKIP = frozenset(
         "_ahead",
         "hidden",
         "decode_evicts",
+        "reads_as_stored",
+        "observed_probs",
+        "order_free",
     }
 )
 LAZY = frozenset({"device", "dtype"})  # set by a layer's first update (CacheLayerMixin.lazy_initialization)

@@ -190,3 +190,22 @@ def test_loading_a_low_rank_cache_runs_no_calibration(tmp_path, monkeypatch):
         loaded.policy.storage.layer(0, model_spec(MODEL))  # no placeholder basis outlives the load
     again = build_cache(loaded.policy, MODEL)  # a new cache of the loaded policy is calibrated as usual
     assert calls == ["calibrate"] and again.stats()[0]["key_components"] == cache.stats()[0]["key_components"]
+
+
+@pytest.mark.parametrize(
+    "name,params",
+    [("tova", {}), ("keydiff", {"unit": "chunk", "chunk_size": 4}), ("snapkv", {})],
+)
+def test_what_a_layer_reads_off_its_policy_is_rebuilt_not_saved(tmp_path, name, params):
+    """``reads_as_stored``, ``observed_probs``, ``order_free`` and ``decode_evicts`` follow from the policy
+    when the layer is built: a file does not carry them, and a loaded layer has the built layer's values."""
+    derived = ("reads_as_stored", "observed_probs", "order_free", "decode_evicts")
+    cache = build_cache(name, MODEL, **params)
+    stream_logits(MODEL, IDS, cache, chunk=48)
+    save_cache(cache, tmp_path / "c.kvc")
+    with safe_open(str(tmp_path / "c.kvc"), "pt") as f:
+        header = json.loads(f.metadata()[HEADER_KEY])
+    assert not set(derived) & set(json.dumps(header["layers"][0]["state"]).split('"')[1::2])
+    loaded = load_cache(tmp_path / "c.kvc", MODEL)
+    for a, b in zip(cache.layers, loaded.layers, strict=True):
+        assert [getattr(a, n) for n in derived] == [getattr(b, n) for n in derived]
