@@ -8,6 +8,9 @@ is kept, a budget that covers the text.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from kvcompress.metrics.acted import storage_cause, storage_check, storage_use, window_check
 from kvcompress.metrics.compression import compression_check, effective_ratios, read_ratio, tokens_evicted
 from kvcompress.metrics.memory import fixed_bytes
@@ -22,30 +25,49 @@ def prefill_only(cache) -> bool:
     return getattr(policy, "evicts", "never") == "prefill" or needs_context_pass(cache)
 
 
-def idle_cause(cache, prefix: int, chunk_size: int) -> str:
-    """What kept the policy of ``cache`` from acting, and what to pass instead (``decode_perplexity``'s
-    arguments). ``prefix``: tokens of the one prefill (0: none)."""
+@dataclass(frozen=True)
+class Knobs:
+    """How a caller names the settings that make a policy act, for ``idle_cause``'s advice: ``chunk`` the
+    tokens per forward, ``prefill`` and ``context_pass`` what to set for a selector that acts on a prefill or
+    in a context pass, ``below(prefix)`` what a budget must be below (``prefix`` 0: no prefill)."""
+
+    chunk: str
+    prefill: str
+    context_pass: str
+    below: Callable[[int], str]
+
+
+_AUTO = "prefix_tokens='auto' (the default) prefills half the text"
+API = Knobs(  # decode_perplexity's arguments
+    chunk="chunk_size",
+    prefill=f"pass prefix_tokens=N ({_AUTO}) or a larger chunk_size",
+    context_pass=(
+        f"pass prefix_tokens=N (prefill N tokens, run the pass, score the rest; {_AUTO}) with "
+        "after_prefix=None, or call kvcompress.runtime.context_pass.compress_context in your after_prefix"
+    ),
+    below=lambda prefix: f"the {prefix or 'streamed'} tokens it compresses",
+)
+
+
+def idle_cause(cache, prefix: int, chunk_size: int, knobs: Knobs = API) -> str:
+    """What kept the policy of ``cache`` from acting, and what to set instead, in ``knobs``' names (the
+    Python API's by default). ``prefix``: tokens of the one prefill (0: none)."""
     stats = cache.stats()
     storage = storage_cause(cache, storage_use(stats))
     if storage:
         return storage + "."
     name = cache.policy.selector
-    auto = "prefix_tokens='auto' (the default) prefills half the text"
     if needs_context_pass(cache) and not any(s.get("context_passes") for s in stats):
-        return (
-            f"{name} evicts only in its context pass after a prefill, and none ran: pass prefix_tokens=N "
-            f"(prefill N tokens, run the pass, score the rest; {auto}) with after_prefix=None, or call "
-            "kvcompress.runtime.context_pass.compress_context in your after_prefix."
-        )
+        return f"{name} evicts only in its context pass after a prefill, and none ran: {knobs.context_pass}."
     if prefill_only(cache) and not prefix:
         return (
             f"{name} compresses only a forward of several tokens (a prefill), and every forward here carried "
-            f"chunk_size={chunk_size} token(s): pass prefix_tokens=N ({auto}) or a larger chunk_size."
+            f"{knobs.chunk}={chunk_size} token(s): {knobs.prefill}."
         )
     held = max(int(s.get("tokens_stored", 0)) for s in stats)
     return (
-        f"No layer held more than its budget allows ({held} tokens at most): lower the policy's budget "
-        f"(budget, compression_ratio, window) below the {prefix or 'streamed'} tokens it compresses."
+        f"Its budget covers every token (no layer held more than {held}): lower the policy's budget "
+        f"(budget, compression_ratio, window) below {knobs.below(prefix)}."
     )
 
 

@@ -98,3 +98,11 @@ def test_a_snapkv_forward_shorter_than_its_window_is_flagged(llama, tokens):
     assert "observation window (32)" in got["window_warning"] and warned == [got["window_warning"]]
     fine, _ = _measure(llama, tokens, "snapkv", SNAP)  # window 4 < prefix 24 and budget 12
     assert "observation_window_cut" not in fine
+
+
+def test_a_window_that_covers_the_text_is_named_with_the_api_arguments(llama, tokens):
+    """The same cause as the command line's, in ``decode_perplexity``'s terms (no ``task.`` names)."""
+    got, warned = _measure(llama, tokens, "sliding_window", {"window": 60}, prefix_tokens=None)
+    assert got["compressed"] is False and warned == [got["warning"]]
+    assert "budget covers every token" in got["warning"] and "below the streamed tokens" in got["warning"]
+    assert "task." not in got["warning"]

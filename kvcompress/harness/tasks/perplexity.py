@@ -13,7 +13,7 @@ from kvcompress.core.cache import build_cache
 from kvcompress.harness.guard import check_fits
 from kvcompress.harness.tasks.slices import combine_slices, slice_ids, slice_starts
 from kvcompress.metrics import decode_perplexity, measure_speed, peak_rss_bytes
-from kvcompress.metrics.acted import storage_cause, storage_check, storage_use, window_check
+from kvcompress.metrics.acted import storage_check, window_check
 from kvcompress.metrics.compression import (
     attention_backends,
     compression_check,
@@ -21,7 +21,7 @@ from kvcompress.metrics.compression import (
     read_ratio,
     tokens_evicted,
 )
-from kvcompress.metrics.idle import prefill_only
+from kvcompress.metrics.idle import Knobs, idle_cause
 from kvcompress.metrics.memory import (
     fixed_bytes,
     peak_device_bytes,
@@ -49,21 +49,14 @@ def text_tokens(tokenizer, text_name: str, max_tokens: int, offset_tokens: int =
     return ids[:, :max_tokens]
 
 
-def _never_compressed_hint(cfg, cache) -> str:
-    """What to set when the policy never acted under this task's streaming: a prefix for a selector that
-    acts only on a prefill (or in KVzip's context pass), else a budget below what the cache held."""
-    if cfg.get("prefix_tokens"):
-        return f"Lower the policy's budget below task.prefix_tokens={cfg.prefix_tokens}."
-    if prefill_only(cache):
-        return (
-            f"Each forward carried task.chunk_size={cfg.chunk_size} token(s), and {cache.policy.selector} "
-            "acts only on a prefill (or in the context pass after one): set task.prefix_tokens (compress "
-            "that many tokens in one prefill, score the rest) or a larger task.chunk_size."
-        )
-    held = max(int(s.get("tokens_stored", 0)) for s in cache.stats())
-    return (
-        f"Its budget covers every token (no layer held more than {held}): lower the policy's budget "
-        f"(budget, compression_ratio, window) below task.max_tokens={cfg.max_tokens}."
+def _knobs(cfg) -> Knobs:
+    """The task's names for what makes a policy act (``metrics.idle.idle_cause``)."""
+    prefix = "set task.prefix_tokens (compress that many tokens in one prefill"
+    return Knobs(
+        chunk="task.chunk_size",
+        prefill=f"{prefix}, score the rest) or a larger task.chunk_size",
+        context_pass=f"{prefix}, run the pass, score the rest)",
+        below=lambda n: f"task.prefix_tokens={n}" if n else f"task.max_tokens={cfg.max_tokens}",
     )
 
 
@@ -99,11 +92,10 @@ def _score(model, tokenizer, ids, policy, cfg, chars) -> dict:
     per_token = metrics["cache_bytes"] - metrics["fixed_bytes"]
     metrics["per_token_cache_ratio"] = per_token / metrics["full_cache_bytes"]  # bases left out
     metrics["attention_backends"] = attention_backends(cache)  # which backend computed the numbers
-    cause = storage_cause(cache, storage_use(cache.stats()))  # an exact window that held every kept token
+    cause = idle_cause(cache, cfg.get("prefix_tokens") or 0, cfg.chunk_size, _knobs(cfg))
     check = compression_check(
-        policy.name, tokens_evicted(cache), per_token, metrics["full_cache_bytes"],
-        f"{cause}." if cause else _never_compressed_hint(cfg, cache), read_ratio(cache),
-    )  # fmt: skip
+        policy.name, tokens_evicted(cache), per_token, metrics["full_cache_bytes"], cause, read_ratio(cache)
+    )
     check |= storage_check(cache, warn=check["compressed"])  # a run that did not compress warned with it
     return metrics | check | window_check(cache)
 
