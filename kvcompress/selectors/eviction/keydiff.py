@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from kvcompress.core.fields import Choice
-from kvcompress.selectors.eviction.base import EvictionPolicy
 from kvcompress.selectors.eviction.scorer import ScorerPolicy, Step
 from kvcompress.selectors.eviction.when import EVICT_AT
 
@@ -46,7 +45,6 @@ class KeyDiffPolicy(ScorerPolicy):
         {"budget": None, "compression_ratio": 0.25},
         {"budget": 10, "compression_ratio": None, "evict_at": "prefill"},
     ]
-    FUZZ = [{**alt, "evict_at": list(EVICT_AT)} for alt in EvictionPolicy.FUZZ]
 
     evict_at: str = Choice("always", EVICT_AT)  # the paper's: every decode step evicts
 

@@ -15,9 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.selectors.eviction.base import EvictionPolicy
 from kvcompress.selectors.eviction.scorer import ScorerPolicy, Step
-from kvcompress.selectors.eviction.when import EVICT_AT
 
 
 def knorm_scores(key: torch.Tensor) -> torch.Tensor:
@@ -35,7 +33,6 @@ class KnormPolicy(ScorerPolicy):
         {"budget": None, "compression_ratio": 0.25},
         {"budget": 10, "compression_ratio": None, "evict_at": "always"},
     ]
-    FUZZ = [{**alt, "evict_at": list(EVICT_AT)} for alt in EvictionPolicy.FUZZ]
 
     def score(self, step: Step) -> torch.Tensor:
         return knorm_scores(step.keys)

@@ -100,6 +100,7 @@ class ScorerPolicy(EvictionPolicy):
     FORMULA = True  # no per-token state: the inherited kept_tokens() / state_bytes() describe it exactly
     FORMULA_HERITABLE = True  # and every scorer's, which holds no state of its own (``declares_formula``)
     TEST_PARAMS = {"budget": 12, "compression_ratio": None}  # makes a 48-token test compress
+    FUZZ = [{**alt, "evict_at": list(EVICT_AT)} for alt in EvictionPolicy.FUZZ]  # both: a scorer serves both
 
     evict_at: str = Choice("prefill", EVICT_AT)  # kvpress's ScorerPress: the prompt once
 

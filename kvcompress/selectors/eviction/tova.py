@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress.core.fields import Choice
-from kvcompress.selectors.eviction.base import EvictionPolicy
 from kvcompress.selectors.eviction.scorer import ScorerPolicy, Step
 from kvcompress.selectors.eviction.when import EVICT_AT
 
@@ -25,13 +24,10 @@ class TOVAPolicy(ScorerPolicy):
 
     asks = "attention"  # the last query's probabilities: over quant, from the codes
     adaptive_decode = True  # scored by the decode query alone: pairs can compete across heads at each step
-    FORMULA = True  # the memory formulas below are this class's own
-    TEST_PARAMS = {"budget": 12, "compression_ratio": None}
     MEMORY_VARIANTS = [
         {"budget": None, "compression_ratio": 0.25},
         {"budget": 10, "compression_ratio": None, "evict_at": "prefill"},
     ]
-    FUZZ = [{**alt, "evict_at": list(EVICT_AT)} for alt in EvictionPolicy.FUZZ]
 
     evict_at: str = Choice("always", EVICT_AT)  # the paper's: one state dropped per generated token
 
