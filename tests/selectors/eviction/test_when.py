@@ -165,3 +165,23 @@ def test_kvzap_with_a_threshold_evicts_while_decoding_and_keeps_its_window():
                 assert newest == [0, 1] * 4  # the window's tokens keep every head's pair
     grown = [layer.store.length - n for layer, n in zip(cache.layers, prefill, strict=True)]
     assert any(g < 20 * 2 for g in grown)  # pairs left at decode steps
+
+
+@pytest.mark.parametrize("name,score", [("h2o", "acc"), ("kvzap", "zscore")])
+def test_a_threshold_while_decoding_holds_in_bfloat16(name, score):
+    """The flat eviction by threshold in the model dtype most runs use: finite logits, and after every
+    eviction no pair outside the protected window scores below the threshold."""
+    model = make_tiny("llama").to(torch.bfloat16)
+    fit = {"fit_text": "random", "fit_documents": 3, "fit_tokens": 24, "fit_holdout": 1, "fit_sample": 16}
+    fields = {"threshold": -7.5, "window": 4, **fit} if name == "kvzap" else {"threshold": 0.3}
+    cache = build_cache(name, model, compression_ratio=None, evict_at="always", threshold_every=1, **fields)
+    protected = 4 if name == "kvzap" else 0
+    with torch.inference_mode():
+        model(IDS[:, :30], cache=cache)
+        for t in range(30, 40):
+            logits = model(IDS[:, t : t + 1], cache=cache).logits
+            assert torch.isfinite(logits).all()
+            for layer in cache.layers:
+                threshold = fields["threshold"]
+                assert _below_threshold_outside(layer, getattr(layer, score), threshold, protected) == 0
+    assert any(layer.store.length < 40 * 2 for layer in cache.layers)
